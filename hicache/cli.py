@@ -1,0 +1,133 @@
+"""`hicache` command line: serve | health | stats | config check | bench ..."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from hicache.config import HicacheConfig, load_config, to_plain
+from hicache.errors import ConfigError
+
+log = logging.getLogger("hicache")
+
+# `hicache bench NAME` runs hicache.bench.NAME, a module with add_arguments(parser) and
+# run(args) -> int. Imported only when chosen, so a benchmark's heavy imports stay out of
+# the other commands.
+BENCHMARKS = {
+    "tree": "radix tree: match / insert / evict cost on a multi-turn workload",
+    "tiers": "L1<->L2 copies and L3 backends vs their raw baselines",
+}
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe(cfg: HicacheConfig) -> str:
+    """The resolved configuration with derived sizes in human units."""
+    lines = [yaml.safe_dump(to_plain(cfg), sort_keys=False).rstrip(), "", "# derived"]
+    l1 = cfg.l1_pages
+    l2 = cfg.l2_pages(l1)
+    lines.append(f"page_size: {cfg.model.page_size} tokens")
+    lines.append(f"l1_pages: {l1} ({l1 * cfg.model.page_size} tokens)")
+    lines.append(f"l2_pages: {l2} ({l2 * cfg.model.page_size} tokens)")
+    lines.append(f"host_layout: {cfg.host_layout.value}")
+    l1_bytes = l2_bytes = 0
+    for m in cfg.model.members:
+        pages = cfg.pages_for(m.component)
+        l1_bytes += pages * m.bytes_per_page
+        l2_bytes += (l2 if m.component.value != "mamba" else pages * 2) * m.bytes_per_page
+        lines.append(
+            f"member {m.name}: component={m.component.value} layers={m.layers} "
+            f"page={_human_bytes(m.bytes_per_page_per_layer)}/layer"
+        )
+    lines.append(f"l1_bytes: {_human_bytes(l1_bytes)}")
+    lines.append(f"l2_bytes: {_human_bytes(l2_bytes)}")
+    return "\n".join(lines)
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file, args.set)
+    print(describe(cfg))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    overrides = list(args.set)
+    if args.listen:
+        overrides.append(f"server.listen={args.listen}")
+    cfg = load_config(args.config, overrides)
+    from hicache.server import serve
+
+    return serve(cfg)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"hicache.bench.{args.bench_name}")
+    rc: int = module.run(args)
+    return rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--config", help="hicache.yaml (default: the embedded one)")
+    s.add_argument("--listen", help="unix:///path or host:port (overrides server.listen)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key by its dotted path, e.g. storage.backend=redis")
+    s.set_defaults(func=_cmd_serve)
+
+    c = sub.add_parser("config", help="configuration tools")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    cc = csub.add_parser("check", help="validate a file and print the resolved configuration")
+    cc.add_argument("file", nargs="?", help="hicache.yaml (default: the embedded one)")
+    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    cc.set_defaults(func=_cmd_config_check)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
+    bsub = b.add_subparsers(dest="bench_name", required=True)
+    for name, help_text in BENCHMARKS.items():
+        bp = bsub.add_parser(name, help=help_text)
+        try:
+            module = importlib.import_module(f"hicache.bench.{name}")
+        except ImportError as e:  # a benchmark whose optional dependency is missing
+            bp.set_defaults(func=lambda _a, e=e: _missing(e))
+            continue
+        module.add_arguments(bp)
+        bp.set_defaults(func=_cmd_bench)
+    return p
+
+
+def _missing(e: ImportError) -> int:
+    print(f"hicache: this benchmark cannot run here: {e}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        rc: int = args.func(args)
+        return rc
+    except ConfigError as e:
+        print(f"hicache: configuration error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

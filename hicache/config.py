@@ -1,0 +1,672 @@
+"""Configuration: `hicache.yaml` loaded once into a tree of frozen dataclasses.
+
+Every mistake is a `ConfigError` that names the key path, the bad value and what is
+allowed. Environment variables are read here and nowhere else (`apply_env`).
+
+The schema *is* the dataclasses below: the generic builder walks their fields and type
+hints, so a key added to a dataclass is parsed, type-checked and documented in
+`hicache config check` without further code. Cross-field rules live in each class's
+`_validate(path)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hicache.errors import ConfigError
+from hicache.types import (
+    ComponentKind,
+    EvictionPolicy,
+    HostLayout,
+    PrefetchPolicy,
+    StorageBackendName,
+    WritePolicy,
+)
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ComponentConfig:
+    """One component's geometry. Token components (FULL, SWA) store a page per
+    `page_size` tokens; MAMBA stores one state slot per checkpoint."""
+
+    layers: int = 1
+    bytes_per_token_per_layer: int = 0
+    window_tokens: int = 0
+    state_bytes_per_layer: int = 0
+
+    def _validate(self, path: str) -> None:
+        _positive(self.layers, f"{path}.layers")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """A pool that follows its anchor component's page ids and never votes on reuse."""
+
+    anchor: ComponentKind = ComponentKind.FULL
+    layers: int = 1
+    bytes_per_token_per_layer: int = 0
+    state_bytes_per_layer: int = 0
+
+    def _validate(self, path: str) -> None:
+        _positive(self.layers, f"{path}.layers")
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """A resolved pool of a family: a component or one of its sidecars (derived, not in YAML)."""
+
+    name: str
+    component: ComponentKind
+    anchor: ComponentKind
+    layers: int
+    bytes_per_page_per_layer: int
+    window_tokens: int
+
+    @property
+    def is_sidecar(self) -> bool:
+        return self.name != self.component.value
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.layers * self.bytes_per_page_per_layer
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    id: str = "demo-model"
+    kv_dtype: str = "bfloat16"
+    page_size: int = 64
+    tp_size: int = 1
+    components: Mapping[ComponentKind, ComponentConfig] = field(
+        default_factory=lambda: {
+            ComponentKind.FULL: ComponentConfig(layers=4, bytes_per_token_per_layer=256)
+        }
+    )
+    sidecars: Mapping[str, SidecarConfig] = field(default_factory=dict)
+
+    def _validate(self, path: str) -> None:
+        _positive(self.page_size, f"{path}.page_size")
+        _positive(self.tp_size, f"{path}.tp_size")
+        if not self.id:
+            raise ConfigError(f"{path}.id: must be a non-empty string")
+        if ComponentKind.FULL not in self.components:
+            raise ConfigError(
+                f"{path}.components: 'full' is required (got {sorted(k.value for k in self.components)})"
+            )
+        for kind, comp in self.components.items():
+            cpath = f"{path}.components.{kind.value}"
+            if kind is ComponentKind.MAMBA:
+                _positive(comp.state_bytes_per_layer, f"{cpath}.state_bytes_per_layer")
+                _zero(comp.bytes_per_token_per_layer, f"{cpath}.bytes_per_token_per_layer", "mamba")
+            else:
+                _positive(comp.bytes_per_token_per_layer, f"{cpath}.bytes_per_token_per_layer")
+                _zero(comp.state_bytes_per_layer, f"{cpath}.state_bytes_per_layer", kind.value)
+            if kind is ComponentKind.SWA:
+                _positive(comp.window_tokens, f"{cpath}.window_tokens")
+                if comp.window_tokens % self.page_size:
+                    raise ConfigError(
+                        f"{cpath}.window_tokens: {comp.window_tokens} is not a multiple of "
+                        f"model.page_size ({self.page_size})"
+                    )
+            else:
+                _zero(comp.window_tokens, f"{cpath}.window_tokens", kind.value)
+        for name, side in self.sidecars.items():
+            spath = f"{path}.sidecars.{name}"
+            if name in {k.value for k in ComponentKind}:
+                raise ConfigError(f"{spath}: a sidecar may not take a component's name ({name!r})")
+            if side.anchor not in self.components:
+                raise ConfigError(
+                    f"{spath}.anchor: {side.anchor.value!r} is not a configured component; "
+                    f"allowed: {sorted(k.value for k in self.components)}"
+                )
+            if side.anchor is ComponentKind.MAMBA:
+                _positive(side.state_bytes_per_layer, f"{spath}.state_bytes_per_layer")
+            else:
+                _positive(side.bytes_per_token_per_layer, f"{spath}.bytes_per_token_per_layer")
+
+    @property
+    def component_kinds(self) -> tuple[ComponentKind, ...]:
+        """Active components in canonical order (FULL first)."""
+        return tuple(k for k in ComponentKind if k in self.components)
+
+    @property
+    def members(self) -> tuple[MemberSpec, ...]:
+        """Every pool of every family: each component, then its sidecars (sorted by name)."""
+        out: list[MemberSpec] = []
+        for kind in self.component_kinds:
+            comp = self.components[kind]
+            out.append(
+                MemberSpec(
+                    name=kind.value,
+                    component=kind,
+                    anchor=kind,
+                    layers=comp.layers,
+                    bytes_per_page_per_layer=self._page_bytes(
+                        kind, comp.bytes_per_token_per_layer, comp.state_bytes_per_layer
+                    ),
+                    window_tokens=comp.window_tokens,
+                )
+            )
+            for name in sorted(n for n, s in self.sidecars.items() if s.anchor is kind):
+                side = self.sidecars[name]
+                out.append(
+                    MemberSpec(
+                        name=name,
+                        component=kind,
+                        anchor=kind,
+                        layers=side.layers,
+                        bytes_per_page_per_layer=self._page_bytes(
+                            kind, side.bytes_per_token_per_layer, side.state_bytes_per_layer
+                        ),
+                        window_tokens=0,
+                    )
+                )
+        return tuple(out)
+
+    def _page_bytes(self, kind: ComponentKind, per_token: int, state: int) -> int:
+        return state if kind is ComponentKind.MAMBA else per_token * self.page_size
+
+    def family(self, kind: ComponentKind) -> tuple[MemberSpec, ...]:
+        return tuple(m for m in self.members if m.component is kind)
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@dataclass(frozen=True)
+class L1Config:
+    tokens: int = 65536
+    size_gb: float | None = None
+    mamba_slots: int = 256
+
+    def _validate(self, path: str) -> None:
+        _positive(self.tokens, f"{path}.tokens")
+        _positive(self.mamba_slots, f"{path}.mamba_slots")
+        if self.size_gb is not None:
+            _positive(self.size_gb, f"{path}.size_gb")
+
+
+@dataclass(frozen=True)
+class L2Config:
+    ratio: float = 2.0
+    size_gb: float | None = None
+    layout: HostLayout = HostLayout.AUTO
+    reserve_gb: float = 2.0
+    prefetch_fraction: float = 0.25
+
+    def _validate(self, path: str) -> None:
+        if self.ratio <= 1:
+            raise ConfigError(f"{path}.ratio: {self.ratio!r} must be > 1 (L2 holds L1 and more)")
+        if self.size_gb is not None:
+            _positive(self.size_gb, f"{path}.size_gb")
+        if self.reserve_gb < 0:
+            raise ConfigError(f"{path}.reserve_gb: {self.reserve_gb!r} must be >= 0")
+        if not 0 < self.prefetch_fraction <= 1:
+            raise ConfigError(
+                f"{path}.prefetch_fraction: {self.prefetch_fraction!r} must be in (0, 1]"
+            )
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    policy: EvictionPolicy = EvictionPolicy.LRU
+    closed_session_tombstones: int = 4096
+
+    def _validate(self, path: str) -> None:
+        _positive(self.closed_session_tombstones, f"{path}.closed_session_tombstones")
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    l1_to_l2: WritePolicy = WritePolicy.WRITE_THROUGH
+    l2_to_l3: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE
+    selective_threshold: int = 2
+
+    def _validate(self, path: str) -> None:
+        _positive(self.selective_threshold, f"{path}.selective_threshold")
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    policy: PrefetchPolicy = PrefetchPolicy.TIMEOUT
+    threshold_tokens: int = 256
+    timeout_base_s: float = 2.0
+    timeout_per_ki_token_s: float = 0.1
+    timeout_max_s: float = 30.0
+
+    def _validate(self, path: str) -> None:
+        _positive(self.threshold_tokens, f"{path}.threshold_tokens")
+        for name in ("timeout_base_s", "timeout_per_ki_token_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{path}.{name}: {getattr(self, name)!r} must be >= 0")
+        _positive(self.timeout_max_s, f"{path}.timeout_max_s")
+
+    def timeout_for(self, tokens: int) -> float:
+        """Seconds a `timeout` prefetch of `tokens` tokens may take."""
+        return min(
+            self.timeout_max_s,
+            self.timeout_base_s + self.timeout_per_ki_token_s * tokens / 1024,
+        )
+
+
+# --------------------------------------------------------------------------- storage
+
+
+@dataclass(frozen=True)
+class FileStorageConfig:
+    path: str = "/tmp/hicache"
+    capacity_gb: float | None = None
+    fsync: bool = False
+
+    def _validate(self, path: str) -> None:
+        if not self.path:
+            raise ConfigError(f"{path}.path: must be a non-empty directory path")
+        if self.capacity_gb is not None:
+            _positive(self.capacity_gb, f"{path}.capacity_gb")
+
+
+@dataclass(frozen=True)
+class MooncakeStorageConfig:
+    master: str | None = None
+    metadata_server: str | None = None
+    protocol: str = "tcp"
+    device: str = ""
+    global_segment_size: int = 512 << 20
+    local_buffer_size: int = 128 << 20
+    local_hostname: str = "127.0.0.1"
+
+    def _validate(self, path: str) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"{path}.protocol: {self.protocol!r} is not one of ['rdma', 'tcp']")
+        _positive(self.global_segment_size, f"{path}.global_segment_size")
+        _positive(self.local_buffer_size, f"{path}.local_buffer_size")
+
+
+@dataclass(frozen=True)
+class RedisStorageConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    ttl_s: int | None = None
+    batch: int = 256
+    pool_size: int = 8
+
+    def _validate(self, path: str) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"{path}.url: {self.url!r} must start with redis://, rediss:// or unix://"
+            )
+        if self.ttl_s is not None:
+            _positive(self.ttl_s, f"{path}.ttl_s")
+        _positive(self.batch, f"{path}.batch")
+        _positive(self.pool_size, f"{path}.pool_size")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    backend: StorageBackendName = StorageBackendName.NONE
+    timeout_s: float = 5.0
+    required: bool = False
+    file: FileStorageConfig = field(default_factory=FileStorageConfig)
+    mooncake: MooncakeStorageConfig = field(default_factory=MooncakeStorageConfig)
+    redis: RedisStorageConfig = field(default_factory=RedisStorageConfig)
+
+    def _validate(self, path: str) -> None:
+        _positive(self.timeout_s, f"{path}.timeout_s")
+        if self.backend is StorageBackendName.MOONCAKE:
+            for key in ("master", "metadata_server"):
+                if not getattr(self.mooncake, key):
+                    raise ConfigError(
+                        f"{path}.mooncake.{key}: required with storage.backend=mooncake "
+                        f"(or set {_MOONCAKE_ENV[key]})"
+                    )
+
+
+# --------------------------------------------------------------------------- server
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    token: str = ""
+    namespaces: tuple[str, ...] = ()
+
+    def _validate(self, path: str) -> None:
+        if len(self.token) < 16:
+            raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
+        if not self.namespaces:
+            raise ConfigError(f"{path}.namespaces: list at least one namespace (or '*')")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = "unix:///tmp/hicache.sock"
+    socket_mode: str = "0660"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tokens: tuple[TokenConfig, ...] = ()
+    lease_ms: int = 30000
+    shutdown_flush_s: float = 10.0
+    max_tokens_per_request: int = 1 << 20
+
+    def _validate(self, path: str) -> None:
+        if not self.listen.startswith("unix://"):
+            host, sep, port = self.listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    f"{path}.listen: {self.listen!r} is neither unix:///path nor host:port"
+                )
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise ConfigError(
+                f"{path}.socket_mode: {self.socket_mode!r} is not an octal mode like '0660'"
+            ) from None
+        if not 0 <= mode <= 0o777:
+            raise ConfigError(f"{path}.socket_mode: {self.socket_mode!r} is out of range")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(f"{path}.tls_cert/tls_key: give both or neither")
+        _positive(self.lease_ms, f"{path}.lease_ms")
+        _positive(self.shutdown_flush_s, f"{path}.shutdown_flush_s")
+        _positive(self.max_tokens_per_request, f"{path}.max_tokens_per_request")
+
+    @property
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    port: int = 9400
+
+    def _validate(self, path: str) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"{path}.port: {self.port!r} must be in [0, 65535] (0 disables)")
+
+
+# --------------------------------------------------------------------------- root
+
+
+@dataclass(frozen=True)
+class HicacheConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    write: WriteConfig = field(default_factory=WriteConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def _validate(self, path: str) -> None:
+        if self.prefetch.threshold_tokens < self.model.page_size:
+            raise ConfigError(
+                f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "
+                f"(model.page_size = {self.model.page_size})"
+            )
+
+    # Derived sizes -----------------------------------------------------------------
+
+    @property
+    def l1_pages(self) -> int:
+        """Pages of each token component's L1 pool."""
+        page = self.model.page_size
+        if self.tiers.l1.size_gb is None:
+            return max(1, self.tiers.l1.tokens // page)
+        token_bytes = sum(
+            m.bytes_per_page for m in self.model.members if m.component is not ComponentKind.MAMBA
+        )
+        mamba_bytes = sum(
+            m.bytes_per_page for m in self.model.members if m.component is ComponentKind.MAMBA
+        ) * self.tiers.l1.mamba_slots
+        budget = int(self.tiers.l1.size_gb * GiB) - mamba_bytes
+        if budget < token_bytes:
+            raise ConfigError(
+                f"tiers.l1.size_gb: {self.tiers.l1.size_gb} GB does not hold one page of every pool"
+            )
+        return budget // token_bytes
+
+    def l2_pages(self, l1_pages: int) -> int:
+        """Pages of each L2 pool: ratio x L1, or size_gb split like L1 is."""
+        l2 = self.tiers.l2
+        if l2.size_gb is None:
+            return int(l1_pages * l2.ratio)
+        per_page = sum(m.bytes_per_page for m in self.model.members)
+        return max(1, int(l2.size_gb * GiB) // per_page)
+
+    def pages_for(self, kind: ComponentKind) -> int:
+        """L1 pool size (in pages or slots) of a component."""
+        if kind is ComponentKind.MAMBA:
+            return self.tiers.l1.mamba_slots
+        return self.l1_pages
+
+    @property
+    def host_layout(self) -> HostLayout:
+        if self.tiers.l2.layout is not HostLayout.AUTO:
+            return self.tiers.l2.layout
+        if self.storage.backend is StorageBackendName.NONE:
+            return HostLayout.LAYER_FIRST
+        return HostLayout.PAGE_FIRST
+
+
+# --------------------------------------------------------------------------- loading
+
+_MOONCAKE_ENV = {
+    "master": "MOONCAKE_MASTER",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device": "MOONCAKE_DEVICE",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+}
+
+
+def default_config_text() -> str:
+    """The embedded `hicache.yaml` (shipped inside the package)."""
+    return resources.files("hicache").joinpath("hicache.yaml").read_text()
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: typing.Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> HicacheConfig:
+    """Load `path` (or the embedded default), apply `KEY=VALUE` overrides and the Mooncake
+    environment variables, validate, and return the frozen configuration."""
+    if path is None:
+        text, source = default_config_text(), "embedded hicache.yaml"
+    else:
+        try:
+            text, source = Path(path).read_text(), str(path)
+        except OSError as e:
+            raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
+    raw = parse_yaml(text, source)
+    for item in overrides:
+        apply_override(raw, item)
+    apply_env(raw, os.environ if env is None else env)
+    return build_config(raw)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`a.b.c=value`: set a key by its dotted path; the value is parsed as YAML, so it is
+    typed and then validated exactly like the file."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key")
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: value {value!r} is not valid YAML: {e}") from None
+
+
+def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    """Fill Mooncake settings from the standard environment variables; YAML wins."""
+    section = raw.setdefault("storage", {}).setdefault("mooncake", {}) if any(
+        v in env for v in _MOONCAKE_ENV.values()
+    ) else None
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise ConfigError("storage.mooncake: must be a mapping")
+    for key, var in _MOONCAKE_ENV.items():
+        if var in env and section.get(key) in (None, ""):
+            value: Any = env[var]
+            if key == "global_segment_size":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ConfigError(f"{var}: {value!r} is not an integer byte count") from None
+            section[key] = value
+
+
+def build_config(raw: Mapping[str, Any]) -> HicacheConfig:
+    cfg = _build(HicacheConfig, raw, "")
+    assert isinstance(cfg, HicacheConfig)
+    return cfg
+
+
+def _build(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    shown = path or "<root>"
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _build(inner, value, path)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{shown}: expected a mapping, got {_show(value)}")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"{_join(path, str(unknown[0]))}: unknown key; allowed: {sorted(fields)}"
+            )
+        # An explicit `key: null` on a field that is not optional means "the default" (the
+        # reference hicache.yaml uses it for keys that the environment may supply).
+        kwargs = {
+            name: _build(hints[name], value[name], _join(path, name))
+            for name in fields
+            if name in value and (value[name] is not None or _optional(hints[name]))
+        }
+        factory: Any = tp
+        obj = factory(**kwargs)
+        validate = getattr(obj, "_validate", None)
+        if validate is not None:
+            validate(path)
+        return obj
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{shown}: expected a list, got {_show(value)}")
+        (inner, _) = typing.get_args(tp)
+        return tuple(_build(inner, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict):
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{shown}: expected a mapping, got {_show(value)}")
+        key_tp, val_tp = typing.get_args(tp)
+        return {
+            _build(key_tp, k, path): _build(val_tp, v, _join(path, str(k)))
+            for k, v in value.items()
+        }
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        allowed = [m.value for m in tp]
+        if value not in allowed:
+            raise ConfigError(f"{shown}: {_show(value)} is not one of {allowed}")
+        return tp(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{shown}: expected true or false, got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{shown}: expected an integer, got {_show(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{shown}: expected a number, got {_show(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{shown}: expected a string, got {_show(value)}")
+        return value
+    raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
+
+
+def _optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _positive(value: float, path: str) -> None:
+    if value <= 0:
+        raise ConfigError(f"{path}: {value!r} must be > 0")
+
+
+def _zero(value: float, path: str, kind: str) -> None:
+    if value:
+        raise ConfigError(f"{path}: not used by a {kind} component (got {value!r})")
+
+
+def to_plain(cfg: Any) -> Any:
+    """The configuration as plain YAML-able data (enums as their values)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return {to_plain(k): to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, tuple):
+        return [to_plain(v) for v in cfg]
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    return cfg

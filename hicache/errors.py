@@ -1,0 +1,65 @@
+"""Typed errors of the core.
+
+The core raises these; exactly one place (the gRPC interceptor) maps them to status codes.
+Each carries a message that says what was wrong, in terms the caller can act on.
+"""
+
+from __future__ import annotations
+
+
+class HicacheError(Exception):
+    """Base class of every error hicache raises on purpose."""
+
+    grpc_code_name = "INTERNAL"
+
+
+class InvalidArgument(HicacheError):
+    """The request itself is malformed (bad token bytes, page id out of range, unknown member)."""
+
+    grpc_code_name = "INVALID_ARGUMENT"
+
+
+class ConfigError(InvalidArgument):
+    """A configuration value is wrong; the message names the key path and what is allowed."""
+
+
+class NotFound(HicacheError):
+    """An unknown or expired handle: lock, allocation, prefetch, session or engine."""
+
+    grpc_code_name = "NOT_FOUND"
+
+
+class FailedPrecondition(HicacheError):
+    """The request is well formed but the state does not allow it (e.g. Load before Attach)."""
+
+    grpc_code_name = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(HicacheError):
+    """No room: locked pages leave nothing to evict."""
+
+    grpc_code_name = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(HicacheError):
+    grpc_code_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(HicacheError):
+    grpc_code_name = "PERMISSION_DENIED"
+
+
+class Unavailable(HicacheError):
+    """The daemon is shutting down or a dependency cannot be reached."""
+
+    grpc_code_name = "UNAVAILABLE"
+
+
+class BackendUnavailable(Unavailable):
+    """An L3 backend did not answer (connection refused, timeout, disk full, permission)."""
+
+
+class ObjectCorrupt(HicacheError):
+    """An L3 object failed its header or checksum check; callers treat it as a miss."""
+
+    grpc_code_name = "DATA_LOSS"

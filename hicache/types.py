@@ -1,0 +1,59 @@
+"""Small shared vocabulary: tiers, component kinds, id types."""
+
+from __future__ import annotations
+
+import enum
+from typing import NewType
+
+PageId = NewType("PageId", int)
+LockId = NewType("LockId", int)
+AllocationId = NewType("AllocationId", int)
+PrefetchId = NewType("PrefetchId", int)
+SessionId = NewType("SessionId", str)
+PageHash = NewType("PageHash", bytes)
+
+
+class Tier(enum.IntEnum):
+    """Where a page lives. Lower value = closer to the engine."""
+
+    DEVICE = 0  # L1: GPU memory (shared memory on a CPU-only node)
+    HOST = 1  # L2: pinned host memory
+    STORAGE = 2  # L3: shared store (file directory, Mooncake, Redis)
+
+
+class ComponentKind(enum.Enum):
+    """The kind of state a component holds; each has its own reuse rule (DESIGN §1)."""
+
+    FULL = "full"
+    SWA = "swa"
+    MAMBA = "mamba"
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+class PrefetchPolicy(enum.Enum):
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"
+
+
+class HostLayout(enum.Enum):
+    AUTO = "auto"
+    LAYER_FIRST = "layer_first"
+    PAGE_FIRST = "page_first"
+
+
+class StorageBackendName(enum.Enum):
+    NONE = "none"
+    FILE = "file"
+    MOONCAKE = "mooncake"
+    REDIS = "redis"

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Sets everything up (Debian packages, .venv, the package) and then runs one thing:
+#   scripts/bootstrap.sh serve [hicache serve args...]   the daemon on hicache.yaml's defaults
+#   scripts/bootstrap.sh test  [pytest args...]          the whole test suite
+#   scripts/bootstrap.sh setup                           only the set-up
+# Idempotent: a second run only re-installs when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+need_debs=()
+command -v redis-server >/dev/null 2>&1 || need_debs+=(redis-server)
+for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
+  ldconfig -p 2>/dev/null | grep -q "$lib" || need_debs+=("$(case $lib in libibverbs*) echo libibverbs1;; librdmacm*) echo librdmacm1;; *) echo libnuma1;; esac)")
+done
+if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then need_debs+=(python3-venv); fi
+if [ ${#need_debs[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${need_debs[*]}" >&2
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need_debs[@]}" >/dev/null
+fi
+
+stamp=$VENV/.hicache-installed
+want=$(cat pyproject.toml | sha1sum | cut -d' ' -f1)
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing Python packages into .venv" >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "cupy-cuda12x" "mooncake-transfer-engine"
+    extras="dev,plot"
+  else
+    # CPU-only machine: the CPU build of torch and the non-CUDA Mooncake wheel.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" \
+      || "$VENV/bin/python" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    extras="dev,plot,mooncake"
+  fi
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]"
+  echo "$want" > "$stamp"
+fi
+
+cmd=${1:-setup}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) echo "bootstrap: ready (.venv)";;
+  serve) exec "$VENV/bin/hicache" serve "$@";;
+  test)
+    export PATH="$VENV/bin:$PATH"
+    set +e
+    "$VENV/bin/ruff" check . && "$VENV/bin/mypy" hicache tiers controller --no-error-summary >/dev/null \
+      || { echo "bootstrap: lint/type check failed" >&2; "$VENV/bin/mypy" hicache tiers controller | tail -20; exit 1; }
+    "$VENV/bin/python" -m pytest "$@"
+    rc=$?
+    [ $rc -eq 5 ] && { echo "bootstrap: pytest collected no tests" >&2; exit 1; }
+    exit $rc;;
+  *) echo "usage: scripts/bootstrap.sh serve|test|setup [args...]" >&2; exit 2;;
+esac

@@ -1,0 +1,178 @@
+"""The configuration loader: embedded defaults, overrides, env, and one test per class of mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.config import (
+    HicacheConfig,
+    apply_override,
+    build_config,
+    default_config_text,
+    load_config,
+    parse_yaml,
+)
+from hicache.errors import ConfigError
+from hicache.types import ComponentKind, HostLayout, StorageBackendName, WritePolicy
+
+
+def build(text: str) -> HicacheConfig:
+    return build_config(parse_yaml(text))
+
+
+def test_embedded_defaults_load_and_match_the_dataclass_defaults() -> None:
+    cfg = load_config(env={})
+    assert cfg.model.page_size == 64
+    assert cfg.model.component_kinds == (ComponentKind.FULL,)
+    assert cfg.storage.backend is StorageBackendName.NONE
+    assert cfg.host_layout is HostLayout.LAYER_FIRST
+    assert cfg == build_config({}), "hicache.yaml and the dataclass defaults drifted apart"
+
+
+def test_embedded_text_is_the_repository_file() -> None:
+    from pathlib import Path
+
+    repo_file = Path(__file__).resolve().parents[1] / "hicache.yaml"
+    assert default_config_text() == repo_file.read_text()
+
+
+def test_hybrid_model_members_and_sizes() -> None:
+    cfg = build(
+        """
+model:
+  page_size: 16
+  components:
+    full: {layers: 2, bytes_per_token_per_layer: 8}
+    swa: {layers: 2, bytes_per_token_per_layer: 8, window_tokens: 32}
+    mamba: {layers: 2, state_bytes_per_layer: 100}
+  sidecars:
+    indexer: {anchor: full, layers: 2, bytes_per_token_per_layer: 1}
+    conv: {anchor: mamba, layers: 2, state_bytes_per_layer: 10}
+tiers: {l1: {tokens: 1600, mamba_slots: 7}, l2: {ratio: 3}}
+storage: {backend: file}
+"""
+    )
+    names = [m.name for m in cfg.model.members]
+    assert names == ["full", "indexer", "swa", "mamba", "conv"]
+    full = cfg.model.members[0]
+    assert full.bytes_per_page_per_layer == 16 * 8
+    assert cfg.model.members[1].anchor is ComponentKind.FULL
+    assert cfg.model.members[3].bytes_per_page_per_layer == 100
+    assert cfg.l1_pages == 100
+    assert cfg.l2_pages(100) == 300
+    assert cfg.pages_for(ComponentKind.MAMBA) == 7
+    assert cfg.host_layout is HostLayout.PAGE_FIRST
+
+
+def test_l2_size_gb_overrides_ratio() -> None:
+    cfg = build("tiers: {l2: {size_gb: 1.0}}")
+    per_page = sum(m.bytes_per_page for m in cfg.model.members)
+    assert cfg.l2_pages(cfg.l1_pages) == (1 << 30) // per_page
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        # unknown key (names the path and the allowed keys)
+        ("tiers: {l1: {tokenz: 5}}", "tiers.l1.tokenz: unknown key; allowed: ['mamba_slots', 'size_gb', 'tokens']"),
+        ("bogus: 1", "bogus: unknown key"),
+        # wrong type
+        ("model: {page_size: '64'}", "model.page_size: expected an integer, got '64' (str)"),
+        ("model: {page_size: true}", "model.page_size: expected an integer"),
+        ("storage: {required: 1}", "storage.required: expected true or false"),
+        ("tiers: [1, 2]", "tiers: expected a mapping, got [1, 2] (list)"),
+        # ratio <= 1
+        ("tiers: {l2: {ratio: 1}}", "tiers.l2.ratio: 1.0 must be > 1"),
+        ("tiers: {l2: {ratio: 0.5}}", "tiers.l2.ratio: 0.5 must be > 1"),
+        # sidecar naming an unknown anchor
+        (
+            "model: {sidecars: {idx: {anchor: swa, bytes_per_token_per_layer: 1}}}",
+            "model.sidecars.idx.anchor: 'swa' is not a configured component; allowed: ['full']",
+        ),
+        ("model: {sidecars: {idx: {anchor: gpu}}}", "'gpu' (str) is not one of ['full', 'swa', 'mamba']"),
+        # negative or zero sizes
+        ("tiers: {l1: {tokens: -5}}", "tiers.l1.tokens: -5 must be > 0"),
+        ("tiers: {l2: {size_gb: -1}}", "tiers.l2.size_gb: -1.0 must be > 0"),
+        ("model: {page_size: 0}", "model.page_size: 0 must be > 0"),
+        # unknown policy
+        ("write: {l1_to_l2: write_sometimes}", "write.l1_to_l2: 'write_sometimes' (str) is not one of ['write_through', 'write_through_selective', 'write_back']"),
+        ("prefetch: {policy: eager}", "prefetch.policy: 'eager' (str) is not one of ['best_effort', 'wait_complete', 'timeout']"),
+        ("eviction: {policy: fifo}", "eviction.policy: 'fifo' (str) is not one of ['lru', 'lfu']"),
+        ("storage: {backend: s3}", "storage.backend: 's3' (str) is not one of ['none', 'file', 'mooncake', 'redis']"),
+        # component rules
+        ("model: {components: {swa: {bytes_per_token_per_layer: 4, window_tokens: 64}}}", "model.components: 'full' is required"),
+        (
+            "model: {components: {full: {bytes_per_token_per_layer: 4}, swa: {bytes_per_token_per_layer: 4, window_tokens: 100}}}",
+            "model.components.swa.window_tokens: 100 is not a multiple of model.page_size (64)",
+        ),
+        ("model: {components: {full: {bytes_per_token_per_layer: 4, window_tokens: 64}}}", "model.components.full.window_tokens: not used by a full component"),
+        ("model: {components: {full: {bytes_per_token_per_layer: 4}, mamba: {layers: 2}}}", "model.components.mamba.state_bytes_per_layer: 0 must be > 0"),
+        ("model: {components: {full: {bytes_per_token_per_layer: 4}, lstm: {layers: 2}}}", "'lstm' (str) is not one of"),
+        ("model: {sidecars: {full: {anchor: full, bytes_per_token_per_layer: 1}}}", "model.sidecars.full: a sidecar may not take a component's name"),
+        # cross-section rules and server
+        ("prefetch: {threshold_tokens: 16}", "prefetch.threshold_tokens: 16 is below one page"),
+        ("server: {listen: 'localhost'}", "server.listen: 'localhost' is neither unix:///path nor host:port"),
+        ("server: {socket_mode: 'rw'}", "server.socket_mode: 'rw' is not an octal mode"),
+        ("server: {tls_cert: /a.pem}", "server.tls_cert/tls_key: give both or neither"),
+        ("server: {tokens: [{token: short, namespaces: [a]}]}", "server.tokens[0].token: must be at least 16 characters"),
+        ("storage: {backend: mooncake}", "storage.mooncake.master: required with storage.backend=mooncake (or set MOONCAKE_MASTER)"),
+        ("storage: {redis: {url: 'http://x'}}", "storage.redis.url: 'http://x' must start with"),
+        ("metrics: {port: 70000}", "metrics.port: 70000 must be in [0, 65535]"),
+    ],
+)
+def test_each_mistake_names_key_value_and_allowed(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build(text)
+    assert fragment in str(err.value)
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, env={})
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad, env={})
+    with pytest.raises(ConfigError, match="cannot read configuration file"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_dotted_overrides_are_typed_and_validated() -> None:
+    cfg = load_config(overrides=["storage.backend=redis", "tiers.l2.ratio=4", "write.l1_to_l2=write_back"], env={})
+    assert cfg.storage.backend is StorageBackendName.REDIS
+    assert cfg.tiers.l2.ratio == 4.0
+    assert cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK
+    with pytest.raises(ConfigError, match=r"tiers\.l2\.ratio: 0\.5 must be > 1"):
+        load_config(overrides=["tiers.l2.ratio=0.5"], env={})
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_override({}, "storage.backend")
+    with pytest.raises(ConfigError, match=r"model\.page_size is not a section"):
+        apply_override({"model": {"page_size": 4}}, "model.page_size.x=1")
+
+
+def test_mooncake_environment_fills_missing_keys_and_yaml_wins() -> None:
+    env = {
+        "MOONCAKE_MASTER": "10.0.0.1:50051",
+        "MOONCAKE_TE_META_DATA_SERVER": "http://10.0.0.1:8080/metadata",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1048576",
+    }
+    cfg = load_config(overrides=["storage.backend=mooncake", "storage.mooncake.master=h:1"], env=env)
+    assert cfg.storage.mooncake.master == "h:1"
+    assert cfg.storage.mooncake.metadata_server == "http://10.0.0.1:8080/metadata"
+    assert cfg.storage.mooncake.global_segment_size == 1048576
+    with pytest.raises(ConfigError, match="MOONCAKE_GLOBAL_SEGMENT_SIZE: 'lots' is not an integer"):
+        load_config(env={"MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"})
+
+
+def test_config_is_frozen() -> None:
+    cfg = load_config(env={})
+    with pytest.raises(AttributeError):
+        cfg.model.page_size = 1  # type: ignore[misc]
+
+
+def test_prefetch_timeout_formula() -> None:
+    p = load_config(env={}).prefetch
+    assert p.timeout_for(0) == 2.0
+    assert p.timeout_for(10240) == pytest.approx(3.0)
+    assert p.timeout_for(10_000_000) == 30.0
