@@ -1,0 +1,249 @@
+"""`hicache bench tree`: the radix tree's cost on a multi-turn workload.
+
+48 conversations share a 2,048-token system prompt; each turn adds 1,024 random tokens;
+20 turns, round-robin over conversations. Per request: match (with a lock) then insert of
+the whole prompt (the lock's prefix is reused, the new pages are committed). Token bytes
+and page ids are prepared outside the timers. Eviction runs when the L1 budget is short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import tracemalloc
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from hicache.tree import HiRadixTree
+from hicache.types import ComponentKind, Tier
+
+K = ComponentKind
+
+
+@dataclass
+class Figures:
+    page_size: int
+    components: str
+    budget_tokens: int
+    requests: int
+    match_us_mean: float
+    match_us_p50: float
+    match_us_p99: float
+    insert_us_mean: float
+    insert_us_p50: float
+    insert_us_p99: float
+    evict_us_mean: float
+    evict_us_p50: float
+    evict_us_p99: float
+    evictions: int
+    metadata_bytes_per_page: float
+    token_key_bytes_per_page: float
+
+
+class _Pool:
+    """The test engine's page allocator (outside the timers)."""
+
+    def __init__(self, pages: int) -> None:
+        self.free = list(range(pages - 1, -1, -1))
+
+    def take(self, n: int) -> np.ndarray:
+        out = self.free[-n:] if n else []
+        del self.free[len(self.free) - n :]
+        return np.array(out[::-1], dtype=np.int64)
+
+    def give(self, ids: np.ndarray) -> None:
+        self.free.extend(int(i) for i in ids)
+
+
+def _components(spec: str, window: int) -> dict[ComponentKind, int]:
+    kinds = {K.FULL: 0}
+    if "swa" in spec:
+        kinds[K.SWA] = window
+    if "mamba" in spec:
+        kinds[K.MAMBA] = 0
+    return kinds
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float]:
+    if not xs:
+        return 0.0, 0.0, 0.0
+    a = np.array(xs) * 1e6
+    return float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def run_workload(
+    page_size: int,
+    spec: str,
+    budget_tokens: int,
+    conversations: int = 48,
+    turns: int = 20,
+    system_tokens: int = 2048,
+    turn_tokens: int = 1024,
+    window: int = 4096,
+    seed: int = 0,
+) -> Figures:
+    rng = np.random.default_rng(seed)
+    kinds = _components(spec, window)
+    tree = HiRadixTree(page_size, kinds)
+    pages = budget_tokens // page_size
+    full, swa = _Pool(pages), _Pool(pages)
+    mamba = _Pool(max(64, pages // max(1, turn_tokens // page_size)))
+    system = rng.integers(0, 150_000, system_tokens, dtype=np.uint32)
+    histories = [system.copy() for _ in range(conversations)]
+    match_t: list[float] = []
+    insert_t: list[float] = []
+    evict_t: list[float] = []
+    evictions = 0
+    clock = time.perf_counter
+    gc.collect()
+    gc.disable()
+    try:
+        for _turn in range(turns):
+            for c in range(conversations):
+                turn = rng.integers(0, 150_000, turn_tokens, dtype=np.uint32)
+                histories[c] = np.concatenate([histories[c], turn])
+                prompt = histories[c].astype("<u4").tobytes()
+                t0 = clock()
+                m = tree.match("", prompt, lock=True)
+                match_t.append(clock() - t0)
+                need = (len(prompt) // 4) // page_size - m.device_tokens // page_size
+                for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
+                    want = 1 if kind is K.MAMBA else need
+                    if kind in kinds and len(pool.free) < want:
+                        t0 = clock()
+                        ev = tree.evict(Tier.DEVICE, kind, want - len(pool.free))
+                        evict_t.append(clock() - t0)
+                        evictions += 1
+                        full.give(ev.freed[K.FULL])
+                        if K.SWA in kinds:
+                            swa.give(ev.freed[K.SWA])
+                        if K.MAMBA in kinds:
+                            mamba.give(ev.freed[K.MAMBA])
+                new = {K.FULL: full.take(need)}
+                if K.SWA in kinds:
+                    new[K.SWA] = swa.take(need)
+                slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
+                t0 = clock()
+                r = tree.insert("", prompt, new, lock=m.lock, mamba_slot=slot)
+                insert_t.append(clock() - t0)
+                full.give(r.released[K.FULL])
+    finally:
+        gc.enable()
+    tree.check_integrity()
+    meta, keys = _metadata_bytes(tree)
+    cached = tree.resident_pages(Tier.DEVICE, K.FULL)
+    return Figures(
+        page_size, spec, budget_tokens, len(match_t),
+        *_stats(match_t), *_stats(insert_t), *_stats(evict_t), evictions,
+        meta / max(1, cached), keys / max(1, cached),
+    )
+
+
+def _metadata_bytes(tree: HiRadixTree) -> tuple[int, int]:
+    """Bytes the tree allocates per cached page, split into token keys and the rest,
+    measured by rebuilding the same tree shape under tracemalloc."""
+    import sys
+
+    from hicache.tree.node import Node
+
+    total = keys = 0
+    seen: set[int] = set()
+    stack = [r for r in tree._roots.values()]
+    while stack:
+        node: Node = stack.pop()
+        stack.extend(node.children.values())
+        keys += sys.getsizeof(node.key)
+        total += sys.getsizeof(node) + sys.getsizeof(node.children)
+        for lst in (node.res, node.mask, node.lock, node.sref, node.nres):
+            total += sys.getsizeof(lst)
+        for arr in node.res:
+            if arr is not None:
+                total += sys.getsizeof(arr)
+                base = arr.base if arr.base is not None else arr
+                if id(base) not in seen:
+                    seen.add(id(base))
+                    total += base.nbytes
+        if node.hashes is not None:
+            total += sys.getsizeof(node.hashes)
+    return total, keys
+
+
+def prompt_growth(page_size: int, spec: str, max_tokens: int = 131072, seed: int = 1) -> list[tuple[int, float]]:
+    """Match cost against prompt length, one conversation grown 1K at a time."""
+    rng = np.random.default_rng(seed)
+    tree = HiRadixTree(page_size, _components(spec, 4096))
+    tokens = rng.integers(0, 150_000, max_tokens, dtype=np.uint32).astype("<u4")
+    pool = _Pool(max_tokens // page_size + 8)
+    out = []
+    length = 1024
+    while length <= max_tokens:
+        prompt = tokens[:length].tobytes()
+        m = tree.match("", prompt, lock=True)
+        need = length // page_size - m.device_tokens // page_size
+        new = {K.FULL: pool.take(need)}
+        if "swa" in spec:
+            new[K.SWA] = np.arange(need)
+        tree.insert("", prompt, new, lock=m.lock, mamba_slot=length if "mamba" in spec else None)
+        if length & (length - 1) == 0:
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                tree.match("", prompt)
+                times.append(time.perf_counter() - t0)
+            out.append((length, float(np.median(times)) * 1e6))
+        length += 1024
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="fewer configurations (CI smoke run)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    tracemalloc.stop()
+    configs = [
+        (64, "full", 2_000_000), (64, "full,swa,mamba", 2_000_000),
+        (64, "full", 262_144), (64, "full,swa,mamba", 262_144),
+        (1, "full", 2_000_000), (1, "full,swa,mamba", 2_000_000),
+        (1, "full", 262_144), (1, "full,swa,mamba", 262_144),
+    ]
+    if args.quick:
+        configs = configs[:2]
+    rows = []
+    hdr = (f"{'page':>4} {'components':<15} {'budget':>9} {'match mean/p50/p99 us':>24} "
+           f"{'insert mean/p50/p99 us':>24} {'evict mean/p99 us':>18} {'meta B/page':>11} {'keys B/page':>11}")
+    print(hdr)
+    for page, spec, budget in configs:
+        f = run_workload(page, spec, budget, args.conversations, args.turns)
+        rows.append(f)
+        print(f"{page:>4} {spec:<15} {budget:>9} "
+              f"{f.match_us_mean:8.1f}/{f.match_us_p50:6.1f}/{f.match_us_p99:7.1f} "
+              f"{f.insert_us_mean:8.1f}/{f.insert_us_p50:6.1f}/{f.insert_us_p99:7.1f} "
+              f"{f.evict_us_mean:8.1f}/{f.evict_us_p99:8.1f} "
+              f"{f.metadata_bytes_per_page:11.1f} {f.token_key_bytes_per_page:11.1f}")
+    base = {(r.page_size, r.budget_tokens): r for r in rows if r.components == "full"}
+    ratios = {}
+    for r in rows:
+        b = base.get((r.page_size, r.budget_tokens))
+        if b and r.components != "full":
+            key = f"p{r.page_size}_{r.budget_tokens}"
+            ratios[f"hybrid_vs_full_match_{key}"] = r.match_us_mean / b.match_us_mean
+            ratios[f"hybrid_vs_full_insert_{key}"] = r.insert_us_mean / b.insert_us_mean
+    print("\nFULL+SWA+MAMBA / FULL alone (mean):")
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.2f}x")
+    growth = prompt_growth(64, "full") if not args.quick else []
+    if growth:
+        print("\nmatch cost vs prompt length (page 64, FULL, median us):")
+        print("  " + "  ".join(f"{n // 1024}K:{us:.1f}" for n, us in growth))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"configs": [asdict(r) for r in rows], "ratios": ratios,
+                       "match_vs_prompt_tokens": growth}, fh, indent=2)
+    return 0

@@ -1,0 +1,90 @@
+"""The component contract: one strategy object per kind of state (DESIGN §1).
+
+The tree core walks one FULL-keyed topology and calls these hooks; it never asks which
+kind a component is. Adding a component means adding a subclass here, nothing in the core.
+
+Terms used below:
+  path      the nodes from the namespace root (exclusive) to the walk's end, top down
+  boundary  the end of path[i]; boundary index i+1 means "after path[i]", 0 is the root
+  tiers     a bit mask of tiers whose data may be used (LOW_TIERS[t] = tier t or closer)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.tree.node import Node
+from hicache.types import ComponentKind
+
+
+class Component(ABC):
+    kind: ComponentKind
+    #: True when a slot holds one page per token page (FULL, SWA); False for one state
+    #: slot per boundary (MAMBA).
+    per_page: bool = True
+    #: True when locks and session references cover the whole path to the root (and a
+    #: split's head inherits them); False when they cover the boundary node only.
+    path_scoped: bool = True
+    #: Pages before a boundary whose data reuse needs (SWA's window); 0 = not windowed.
+    window_pages: int = 0
+
+    def __init__(self, index: int, page_size: int) -> None:
+        self.index = index
+        self.page_size = page_size
+
+    def slot_pages(self, node: Node) -> int:
+        """Pages a resident slot of this component occupies at `node`."""
+        return node.npages if self.per_page else 1
+
+    @abstractmethod
+    def valid(self, path: Sequence[Node], tiers: int) -> list[bool]:
+        """valid[i]: may a request reuse the prefix ending at path[i] using only data in
+        `tiers`? Pure; called at every match. A False entry does not end the walk."""
+
+    def lock_nodes(self, end: Node) -> list[Node]:
+        """Nodes whose slots of this component a lock at boundary `end` must hold."""
+        if self.path_scoped:
+            out = []
+            node: Node | None = end
+            while node is not None and node.parent is not None:
+                out.append(node)
+                node = node.parent
+            return out
+        return [end]
+
+    def transfer_nodes(self, path: Sequence[Node], lo: int, hi: int, src: int, dst: int) -> list[Node]:
+        """Nodes of path[lo:hi] whose slot must move from tier `src` to `dst` so that the
+        boundary at the end of path[hi-1] becomes valid in `dst` (a whole family moves)."""
+        bit_src, bit_dst = 1 << src, 1 << dst
+        ci = self.index
+        return [n for n in path[lo:hi] if n.mask[ci] & bit_src and not n.mask[ci] & bit_dst]
+
+    def split_breaks(self, provided: np.ndarray) -> list[int]:
+        """Page offsets inside a new suffix at which insert must start a new node so that
+        each node's slot is all present or all absent (e.g. SWA pages freed out of window)."""
+        return []
+
+    # Eviction ----------------------------------------------------------------------
+
+    @abstractmethod
+    def is_candidate(self, node: Node, tier: int) -> bool:
+        """May this component's slot at `node` be evicted from `tier` now? (resident,
+        unlocked and structurally allowed). Must be cheap: called when popping the queue."""
+
+    def retained_pages(self, node: Node, tier: int) -> int:
+        """Pages at the tail of `node` that must stay when its slot is evicted alone from
+        `tier` (the rest may go); 0 for components whose slots go whole."""
+        return 0
+
+    def valid_prefix(self, path: Sequence[Node], tiers: int) -> int:
+        """How many leading nodes of `path` are valid, for components whose validity is
+        prefix-closed (FULL); others answer through `valid`."""
+        raise NotImplementedError(f"{type(self).__name__} is not prefix-closed")
+
+    def rank(self, node: Node, base: tuple[int, int]) -> tuple[int, ...]:
+        """Eviction order key, smallest first: unreferenced before referenced, then the
+        base policy (LRU or LFU). FULL refines this with the reference count."""
+        return (1 if node.sref[self.index] else 0, *base)

@@ -1,0 +1,757 @@
+"""HiRadixTree: one radix topology over page-aligned token ids, one slot per component.
+
+Threading: the tree has one owner (the controller's serving thread); it takes no locks.
+Hot paths (match, insert) cost O(nodes on the path), not O(tokens): token spans are
+compared as bytes (memcmp), pages are keyed by their bytes, and numpy is used only where a
+node must be split.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from hicache.errors import InvalidArgument, NotFound
+from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
+from hicache.tree.components import FULL_INDEX, Component, build_components
+from hicache.tree.eviction import EvictionQueue
+from hicache.tree.node import LOW_TIERS, PAGED_TIERS, Node
+from hicache.tree.results import EvictResult, InsertResult, MatchResult, TreeLock, Victim
+from hicache.tree.sessions import SessionTable
+from hicache.types import ComponentKind, EvictionPolicy, Tier
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_PAGED_MASK = (1 << PAGED_TIERS) - 1
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    if not parts:
+        return _EMPTY
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+BeforeDrop = Callable[[Victim], None]
+
+
+class _RootInfo:
+    __slots__ = ("namespace", "seed")
+
+    def __init__(self, namespace: str, seed: bytes) -> None:
+        self.namespace = namespace
+        self.seed = seed
+
+
+class HiRadixTree:
+    """See DESIGN §1. Public methods validate their input and raise InvalidArgument /
+    NotFound; internal invariants are asserted and verified by `check_integrity()`."""
+
+    def __init__(
+        self,
+        page_size: int,
+        components: Mapping[ComponentKind, int] | None = None,
+        policy: EvictionPolicy = EvictionPolicy.LRU,
+        model_id: str = "model",
+        kv_dtype: str = "",
+        closed_session_tombstones: int = 4096,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError("page_size must be > 0")
+        self.page_size = page_size
+        self._pb = page_size * 4  # bytes of one page of token ids
+        self.components: list[Component] = build_components(
+            components or {ComponentKind.FULL: 0}, page_size
+        )
+        self._by_kind = {c.kind: c for c in self.components}
+        self._ncomp = len(self.components)
+        self._path_comps = [c for c in self.components if c.path_scoped]
+        self._path_idx = [c.index for c in self._path_comps]
+        assert all(c.per_page for c in self._path_comps), "path-scoped slots hold a page per page"
+        self._point_comps = [c for c in self.components if not c.path_scoped]
+        self._others = self.components[1:]
+        self._model_id, self._kv_dtype = model_id, kv_dtype
+        self._roots: dict[str, Node] = {}
+        self._tick = 0
+        self._lfu = policy is EvictionPolicy.LFU
+        self._resident = [[0] * self._ncomp for _ in Tier]
+        self._locked = [[0] * self._ncomp for _ in Tier]
+        self._locks: set[TreeLock] = set()
+        self._sessions = SessionTable(closed_session_tombstones)
+        self._queues = [
+            [self._make_queue(tier, comp) for comp in self.components] for tier in range(PAGED_TIERS)
+        ]
+
+    def _make_queue(self, tier: int, comp: Component) -> EvictionQueue:
+        if self._lfu:
+            def rank(n: Node) -> tuple[int, ...]:
+                return comp.rank(n, (n.hits, n.last_access))
+        else:
+            def rank(n: Node) -> tuple[int, ...]:
+                return comp.rank(n, (n.last_access, 0))
+        return EvictionQueue(
+            1 << (tier * self._ncomp + comp.index), rank, lambda n: comp.is_candidate(n, tier)
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def kinds(self) -> tuple[ComponentKind, ...]:
+        return tuple(c.kind for c in self.components)
+
+    def resident_pages(self, tier: Tier, kind: ComponentKind) -> int:
+        return self._resident[tier][self._by_kind[kind].index]
+
+    def locked_pages(self, tier: Tier, kind: ComponentKind) -> int:
+        return self._locked[tier][self._by_kind[kind].index]
+
+    def evictable_pages(self, tier: Tier, kind: ComponentKind) -> int:
+        return self.resident_pages(tier, kind) - self.locked_pages(tier, kind)
+
+    @property
+    def active_locks(self) -> int:
+        return len(self._locks)
+
+    def match(
+        self,
+        namespace: str,
+        tokens: bytes,
+        *,
+        lock: bool = False,
+        session_id: str | None = None,
+    ) -> MatchResult:
+        """Find the deepest safe reuse boundary of `tokens` per tier (DESIGN §1).
+
+        Mutates: splits the node a match ends inside; updates access time and hit count of
+        every node on the matched path; with `lock`, locks the path down to the host
+        boundary (and the MAMBA checkpoints at the device and host boundaries)."""
+        tokens = self._check_tokens(tokens)
+        path = self._walk(self._roots.get(namespace), tokens, len(tokens) - len(tokens) % self._pb)
+        self._tick += 1
+        tick = self._tick
+        for node in path:
+            node.last_access = tick
+            node.hits += 1
+        i0 = self._boundary(path, LOW_TIERS[0])
+        i1 = self._boundary(path, LOW_TIERS[1]) if len(path) > i0 else i0
+        i2 = self._boundary(path, LOW_TIERS[2]) if len(path) > i1 else i1
+        d0, d1, d2 = (path[i - 1].depth if i else 0 for i in (i0, i1, i2))
+        device_pages = self._device_pages(path, i0)
+        tree_lock = None
+        if lock:
+            gen = self._sessions.open(session_id) if session_id else 0
+            end = path[i1 - 1] if i1 else None
+            points = tuple(dict.fromkeys(path[i - 1] for i in (i0, i1) if i))
+            tree_lock = TreeLock(
+                namespace=namespace,
+                end=end,
+                mamba_nodes=points,
+                prefix=tokens[: d1 * self._pb],
+                session_id=session_id,
+                session_gen=gen,
+                device_end=path[i0 - 1] if i0 else None,
+            )
+            self._lock(tree_lock)
+        ps = self.page_size
+        return MatchResult(
+            device_tokens=d0 * ps,
+            host_tokens=(d1 - d0) * ps,
+            storage_tokens=(d2 - d1) * ps,
+            matched_tokens=(path[-1].depth if path else 0) * ps,
+            device_pages=device_pages,
+            lock=tree_lock,
+            path=tuple(path[:i2]),
+        )
+
+    def _check_tokens(self, tokens: bytes) -> bytes:
+        if not isinstance(tokens, bytes):
+            tokens = bytes(tokens)
+        if len(tokens) % 4:
+            raise InvalidArgument(
+                f"tokens: {len(tokens)} bytes is not a multiple of 4 (little-endian uint32 ids)"
+            )
+        return tokens
+
+    def _walk(self, root: Node | None, tokens: bytes, limit: int) -> list[Node]:
+        """Nodes matching `tokens[:limit]` (whole pages), splitting the one a match ends in."""
+        path: list[Node] = []
+        if root is None:
+            return path
+        pb = self._pb
+        children = root.children
+        pos = 0
+        while pos < limit:
+            child = children.get(tokens[pos : pos + pb])
+            if child is None:
+                break
+            key = child.key
+            end = pos + len(key)
+            if end <= limit and tokens[pos:end] == key:
+                path.append(child)
+                children = child.children
+                pos = end
+                continue
+            k = self._common_pages(key, tokens, pos, limit)
+            path.append(self._split(child, k))
+            break
+        return path
+
+    def _common_pages(self, key: bytes, tokens: bytes, pos: int, limit: int) -> int:
+        n = min(len(key), limit - pos) // 4
+        a = np.frombuffer(key, dtype=np.uint32, count=n)
+        b = np.frombuffer(tokens, dtype=np.uint32, count=n, offset=pos)
+        diff = np.flatnonzero(a != b)
+        first = int(diff[0]) if len(diff) else n
+        return first // self.page_size
+
+    def _boundary(self, path: Sequence[Node], tiers: int) -> int:
+        """How many nodes of `path` lie above the deepest boundary every component accepts."""
+        full = self.components[0]
+        n = full.valid_prefix(path, tiers)
+        if not self._others or n == 0:
+            return n
+        votes = [c.valid(path[:n], tiers) for c in self._others]
+        for i in range(n, 0, -1):
+            if all(v[i - 1] for v in votes):
+                return i
+        return 0
+
+    def _device_pages(self, path: Sequence[Node], n: int) -> dict[ComponentKind, np.ndarray]:
+        out: dict[ComponentKind, np.ndarray] = {}
+        for comp in self.components:
+            slot = comp.index * PAGED_TIERS
+            if comp.per_page:
+                if n == 0:
+                    out[comp.kind] = _EMPTY
+                    continue
+                parts: list[np.ndarray] = []
+                for node in path[:n]:
+                    held = node.res[slot]
+                    parts.append(held if held is not None else np.full(node.npages, -1))
+                out[comp.kind] = _cat(parts)
+            else:
+                value = path[n - 1].res[slot] if n else None
+                out[comp.kind] = value if value is not None else _EMPTY
+        return out
+
+    # ------------------------------------------------------------------ locks
+
+    def _lock(self, lock: TreeLock) -> None:
+        self._locks.add(lock)
+        self._apply_lock(lock, +1)
+
+    def unlock(self, lock: TreeLock) -> None:
+        """Release a lock. Raises NotFound when it was released already."""
+        if not lock.active:
+            raise NotFound("lock was already released")
+        lock.active = False
+        self._locks.discard(lock)
+        self._apply_lock(lock, -1)
+
+    def _apply_lock(self, lock: TreeLock, delta: int) -> None:
+        if isinstance(lock.end, Node):
+            self._lock_path(lock.end, delta)
+        for node in lock.mamba_nodes:
+            assert isinstance(node, Node)
+            for comp in self._point_comps:
+                self._lock_slot(node, comp, delta)
+
+    def _lock_path(self, end: Node, delta: int) -> None:
+        # Hot: runs twice per request over the whole path, hence the inlined counters.
+        indices = self._path_idx
+        locked = self._locked
+        queues = self._queues
+        node: Node | None = end
+        while node is not None and node.parent is not None:
+            lk = node.lock
+            for ci in indices:
+                before = lk[ci]
+                lk[ci] = before + delta
+                if before == 0 or before + delta == 0:
+                    mask = node.mask[ci]
+                    n = node.npages * delta
+                    if mask & 1:
+                        locked[0][ci] += n
+                    if mask & 2:
+                        locked[1][ci] += n
+                    if mask & 4:
+                        locked[2][ci] += n
+                    if before + delta == 0:
+                        queues[0][ci].offer(node)
+                        queues[1][ci].offer(node)
+            node = node.parent
+
+    def _lock_slot(self, node: Node, comp: Component, delta: int) -> None:
+        ci = comp.index
+        before = node.lock[ci]
+        after = before + delta
+        assert after >= 0, f"lock underflow at {node}"
+        node.lock[ci] = after
+        if (before == 0) != (after == 0):
+            pages = comp.slot_pages(node) * delta
+            mask = node.mask[ci]
+            for tier in range(3):
+                if mask & (1 << tier):
+                    self._locked[tier][ci] += pages
+            if after == 0:
+                for tier in range(PAGED_TIERS):
+                    self._queues[tier][ci].offer(node)
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        namespace: str,
+        tokens: bytes,
+        pages: Mapping[ComponentKind, np.ndarray],
+        *,
+        lock: TreeLock | None = None,
+        keep_lock: bool = False,
+        mamba_slot: int | None = None,
+        session_id: str | None = None,
+    ) -> InsertResult:
+        """Commit `tokens` (whole pages; a partial last page is ignored) with its L1 pages.
+
+        `pages[kind]` (FULL, SWA) hold one L1 page id per page of `tokens` after the
+        lock's device boundary (from the start when there is no lock); SWA may hold -1
+        for pages already freed outside the window. `mamba_slot` is the checkpoint at the
+        end. Pages the tree already holds are returned in `released` for the caller to
+        free. Consumes `lock` unless `keep_lock`, in which case the lock moves to the new
+        end. Raises InvalidArgument for mismatched lengths or a lock that does not cover
+        a prefix of `tokens`, NotFound for a released lock."""
+        tokens = self._check_tokens(tokens)
+        pb = self._pb
+        total = len(tokens) // pb
+        start = self._start_node(namespace, tokens, lock)
+        begin = start.depth
+        provided = self._check_pages(pages, total - begin)
+        released: list[list[np.ndarray]] = [[] for _ in self.components]
+        self._tick += 1
+        tick = self._tick
+        node, pos = start, begin
+        while pos < total:
+            child = node.children.get(tokens[pos * pb : (pos + 1) * pb])
+            if child is None:
+                break
+            end = pos + child.npages
+            if end <= total and tokens[pos * pb : end * pb] == child.key:
+                k = child.npages
+            else:
+                k = self._common_pages(child.key, tokens, pos * pb, total * pb)
+                child = self._split(child, k)
+            self._reconcile(child, provided, pos - begin, released)
+            child.last_access = tick
+            node, pos = child, pos + k
+        reused = pos
+        if pos < total:
+            node = self._add_suffix(node, tokens, pos, total, provided, begin, tick)
+        if mamba_slot is not None:
+            self._place_checkpoint(node, mamba_slot, released)
+        if lock is not None:
+            if keep_lock:
+                self._move_lock(lock, node, tokens)
+            else:
+                self.unlock(lock)
+        sid = session_id if session_id is not None else (lock.session_id if lock else None)
+        if sid and not keep_lock:
+            gen = lock.session_gen if lock is not None and lock.session_id == sid else self._sessions.open(sid)
+            self._reference_session(sid, gen, node if node.parent is not None else None)
+        ps = self.page_size
+        return InsertResult(
+            inserted_tokens=(total - reused) * ps,
+            reused_tokens=reused * ps,
+            released={
+                c.kind: _cat(released[c.index]) for c in self.components
+            },
+            end=node if node.parent is not None else None,
+        )
+
+    def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None) -> Node:
+        if lock is None:
+            root = self._roots.get(namespace)
+            if root is None:
+                root = self._roots[namespace] = Node(b"", 0, None, self._ncomp)
+                root.root = _RootInfo(namespace, chain_seed(namespace, self._model_id, self._kv_dtype))
+            return root
+        if not lock.active:
+            raise NotFound("lock was already released")
+        if lock.namespace != namespace:
+            raise InvalidArgument(
+                f"namespace {namespace!r} does not match the lock's namespace {lock.namespace!r}"
+            )
+        if not tokens.startswith(lock.prefix):
+            raise InvalidArgument(
+                "tokens do not start with the prefix the lock was matched on "
+                f"({len(lock.prefix) // 4} tokens)"
+            )
+        start = lock.device_end if lock.device_end is not None else self._roots.get(namespace)
+        if start is None:
+            return self._start_node(namespace, tokens, None)
+        return start  # type: ignore[return-value]
+
+    def _check_pages(self, pages: Mapping[ComponentKind, np.ndarray], n: int) -> dict[int, np.ndarray]:
+        out: dict[int, np.ndarray] = {}
+        for kind in pages:
+            if kind not in self._by_kind:
+                raise InvalidArgument(f"pages for {kind.value!r}, which this model does not have")
+        for comp in self.components:
+            if not comp.per_page:
+                if comp.kind in pages:
+                    raise InvalidArgument(
+                        f"pages[{comp.kind.value}]: pass the checkpoint as mamba_slot instead"
+                    )
+                continue
+            arr = pages.get(comp.kind)
+            if arr is None:
+                if comp.kind is ComponentKind.FULL or n:
+                    raise InvalidArgument(f"pages[{comp.kind.value}]: missing ({n} pages expected)")
+                arr = _EMPTY
+            arr = np.asarray(arr)
+            if arr.ndim != 1 or len(arr) != n:
+                raise InvalidArgument(
+                    f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
+                )
+            if comp.kind is ComponentKind.FULL and n and int(arr.min()) < 0:
+                raise InvalidArgument("pages[full]: page ids must be >= 0")
+            out[comp.index] = arr
+        return out
+
+    def _reconcile(self, node: Node, provided: dict[int, np.ndarray], off: int,
+                   released: list[list[np.ndarray]]) -> None:
+        """Pages given for a span the tree already holds: keep the tree's own, adopt the
+        given ones into an empty L1 slot, hand the rest back."""
+        n = node.npages
+        for ci, arr in provided.items():
+            ids = arr[off : off + n]
+            held = node.res[ci * PAGED_TIERS]
+            if held is not None:
+                extra = ids[(ids != held) & (ids >= 0)]
+                if len(extra):
+                    released[ci].append(extra)
+            elif (ci == FULL_INDEX or node.res[FULL_INDEX * PAGED_TIERS] is not None) and bool(
+                (ids >= 0).all()
+            ):
+                self._set(node, self.components[ci], Tier.DEVICE, ids.astype(np.int64))
+            else:
+                present = ids[ids >= 0]
+                if len(present):
+                    released[ci].append(present)
+
+    def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
+                    provided: dict[int, np.ndarray], begin: int, tick: int) -> Node:
+        breaks: set[int] = set()
+        for ci, arr in provided.items():
+            breaks.update(self.components[ci].split_breaks(arr[pos - begin : total - begin]))
+        cuts = [pos, *sorted(b + pos for b in breaks), total]
+        pb = self._pb
+        node = parent
+        for lo, hi in itertools.pairwise(cuts):
+            child = Node(tokens[lo * pb : hi * pb], hi - lo, node, self._ncomp)
+            child.last_access = tick
+            node.children[child.key[:pb]] = child
+            for ci, arr in provided.items():
+                ids = arr[lo - begin : hi - begin]
+                if int(ids[0]) >= 0:
+                    self._set(child, self.components[ci], Tier.DEVICE, ids.astype(np.int64))
+            node = child
+        return node
+
+    def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]]) -> None:
+        for comp in self._point_comps:
+            held = node.res[comp.index * PAGED_TIERS]
+            if node.parent is None or (held is not None and int(held[0]) != slot):
+                released[comp.index].append(np.array([slot], dtype=np.int64))
+            elif held is None:
+                self._set(node, comp, Tier.DEVICE, np.array([slot], dtype=np.int64))
+
+    def _move_lock(self, lock: TreeLock, end: Node, tokens: bytes) -> None:
+        """keep_lock: the request goes on using what it inserted, so the lock follows."""
+        old_end, old_points = lock.end, lock.mamba_nodes
+        at = end if end.parent is not None else None
+        lock.end = lock.device_end = at
+        lock.mamba_nodes = (end,) if at is not None else ()
+        lock.prefix = tokens[: end.depth * self._pb]
+        self._apply_lock(lock, +1)
+        lock.end, lock.mamba_nodes = old_end, old_points
+        self._apply_lock(lock, -1)
+        lock.end, lock.mamba_nodes = at, ((end,) if at is not None else ())
+
+    # ------------------------------------------------------------------ topology
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Split `node` after its first `k` pages; returns the new head. The original
+        object stays the tail, so handles to a node's end (locks, sessions) stay valid."""
+        assert 0 < k < node.npages, (k, node.npages)
+        pb = self._pb
+        parent = node.parent
+        assert parent is not None
+        head = Node(node.key[: k * pb], k, parent, self._ncomp)
+        head.root = node.root
+        head.depth = node.depth - (node.npages - k)
+        parent.children[node.key[:pb]] = head
+        node.key = node.key[k * pb :]
+        node.npages -= k
+        node.parent = head
+        head.children[node.key[:pb]] = node
+        for comp in self.components:
+            ci = comp.index
+            if comp.per_page:
+                head.mask[ci] = node.mask[ci]
+                for tier in range(PAGED_TIERS):
+                    arr = node.res[ci * PAGED_TIERS + tier]
+                    if arr is not None:
+                        head.res[ci * PAGED_TIERS + tier] = arr[:k]
+                        node.res[ci * PAGED_TIERS + tier] = arr[k:]
+            if comp.path_scoped:
+                head.lock[ci] = node.lock[ci]
+                head.sref[ci] = node.sref[ci]
+        for tier in range(PAGED_TIERS):
+            head.nres[tier] = 1 if node.mask[FULL_INDEX] & (1 << tier) else 0
+        if node.hashes is not None:
+            head.hashes = node.hashes[: k * PAGE_HASH_BYTES]
+            node.hashes = node.hashes[k * PAGE_HASH_BYTES :]
+        head.hits, head.last_access = node.hits, node.last_access
+        for tier in range(PAGED_TIERS):
+            for comp in self._others:
+                self._queues[tier][comp.index].offer(head)
+        return head
+
+    def _delete(self, node: Node) -> None:
+        parent = node.parent
+        assert parent is not None and not node.children
+        for comp in self.components:
+            if node.mask[comp.index]:
+                raise AssertionError(f"deleting {node} with resident {comp.kind.value} data")
+        del parent.children[node.key[: self._pb]]
+        node.qmask = 0
+        if parent.parent is not None:
+            for tier in range(PAGED_TIERS):
+                self._queues[tier][FULL_INDEX].offer(parent)
+
+    # ------------------------------------------------------------------ residency
+
+    def set_resident(self, node: object, kind: ComponentKind, tier: Tier,
+                     pages: np.ndarray | None = None) -> None:
+        """Record that `node`'s `kind` slot now also lives in `tier` (after a backup or a
+        load). DEVICE/HOST need the page ids; STORAGE takes none."""
+        assert isinstance(node, Node)
+        comp = self._by_kind[kind]
+        if node.mask[comp.index] & (1 << tier):
+            raise InvalidArgument(f"{kind.value} slot already resident in {tier.name}")
+        if tier is not Tier.STORAGE:
+            if pages is None or len(pages) != comp.slot_pages(node):
+                raise InvalidArgument(
+                    f"{kind.value} slot of {comp.slot_pages(node)} pages given "
+                    f"{0 if pages is None else len(pages)} page ids"
+                )
+            if comp.index != FULL_INDEX and not node.mask[FULL_INDEX] & (1 << tier):
+                raise InvalidArgument(f"{kind.value} slot in {tier.name} needs FULL there first")
+            pages = np.asarray(pages, dtype=np.int64)
+        self._set(node, comp, tier, pages)
+
+    def _set(self, node: Node, comp: Component, tier: int, pages: np.ndarray | None) -> None:
+        ci = comp.index
+        bit = 1 << tier
+        node.mask[ci] |= bit
+        n = comp.slot_pages(node)
+        self._resident[tier][ci] += n
+        if node.lock[ci]:
+            self._locked[tier][ci] += n
+        if tier < PAGED_TIERS:
+            node.res[ci * PAGED_TIERS + tier] = pages
+            parent = node.parent
+            if ci == FULL_INDEX and parent is not None:
+                parent.nres[tier] += 1
+                if parent.parent is not None:
+                    for comp_above in self._others:  # it may now drop data a child covers
+                        self._queues[tier][comp_above.index].offer(parent)
+            for t in range(PAGED_TIERS):
+                self._queues[t][ci].offer(node)
+
+    def clear_resident(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray:
+        """Forget `node`'s `kind` slot in `tier` (e.g. an L3 object found missing) and
+        return its page ids for the caller to free. Clearing FULL clears the node's other
+        slots in that tier too; a node left with no FULL in L1 or L2 is deleted."""
+        assert isinstance(node, Node)
+        comp = self._by_kind[kind]
+        if not node.mask[comp.index] & (1 << tier):
+            raise InvalidArgument(f"{kind.value} slot is not resident in {tier.name}")
+        last_copy = not node.mask[FULL_INDEX] & _PAGED_MASK & ~(1 << tier)
+        if comp.index == FULL_INDEX and tier is not Tier.STORAGE and last_copy and node.children:
+            raise InvalidArgument("cannot clear the last L1/L2 copy of a node that has children")
+        freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
+        self._drop(node, comp, tier, freed)
+        parts = freed[kind]
+        return parts[0] if parts else _EMPTY
+
+    def _drop(self, node: Node, comp: Component, tier: int,
+              freed: dict[ComponentKind, list[np.ndarray]]) -> None:
+        comps = [comp] if comp.index != FULL_INDEX else [*self._others, comp]
+        for c in comps:
+            ci = c.index
+            if not node.mask[ci] & (1 << tier):
+                continue
+            node.mask[ci] &= ~(1 << tier)
+            n = c.slot_pages(node)
+            self._resident[tier][ci] -= n
+            if node.lock[ci]:
+                self._locked[tier][ci] -= n
+            if tier < PAGED_TIERS:
+                arr = node.res[ci * PAGED_TIERS + tier]
+                assert arr is not None
+                freed[c.kind].append(arr)
+                node.res[ci * PAGED_TIERS + tier] = None
+                if ci == FULL_INDEX and node.parent is not None:
+                    node.parent.nres[tier] -= 1
+                    self._after_full_left(node.parent, tier)
+            for t in range(PAGED_TIERS):
+                self._queues[t][ci].offer(node)
+        if comp.index == FULL_INDEX and not node.mask[FULL_INDEX] & _PAGED_MASK:
+            # An L3 copy alone does not keep a node in the tree: the controller finds L3
+            # data beyond the tree by key. The candidate rule guarantees a leaf here.
+            assert not node.children, f"last copy of {node} left while it has children"
+            for c in self.components:
+                if node.mask[c.index]:
+                    n = c.slot_pages(node)
+                    self._resident[Tier.STORAGE][c.index] -= n
+                    if node.lock[c.index]:
+                        self._locked[Tier.STORAGE][c.index] -= n
+                    node.mask[c.index] = 0
+            self._delete(node)
+
+    def _after_full_left(self, parent: Node, tier: int) -> None:
+        """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and
+        SWA data above may have fallen out of every kept window."""
+        if parent.parent is None:
+            return
+        self._queues[tier][FULL_INDEX].offer(parent)
+        for comp in self._others:
+            window = comp.window_pages
+            if window:
+                node: Node | None = parent
+                dist = 0
+                while node is not None and node.parent is not None and dist < window:
+                    self._queues[tier][comp.index].offer(node)
+                    dist += node.npages
+                    node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, tier: Tier, kind: ComponentKind, num_pages: int,
+              before_drop: BeforeDrop | None = None) -> EvictResult:
+        """Evict at least `num_pages` pages of `kind` from `tier` (DEVICE or HOST), lowest
+        rank first; fewer when nothing else is evictable (evicting 0 is always safe).
+
+        FULL takes leaves of the tier with their whole family; SWA tombstones data outside
+        every kept window (splitting a node at the retention boundary first); MAMBA drops
+        checkpoints. `before_drop(victim)` runs before a slot leaves, e.g. to back it up
+        with `set_resident` (write-back); the slot leaves after it returns."""
+        if tier is Tier.STORAGE:
+            raise InvalidArgument("the L3 backend manages its own eviction")
+        comp = self._by_kind[kind]
+        queue = self._queues[tier][comp.index]
+        freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
+        evicted = victims = 0
+        while evicted < num_pages:
+            node = queue.pop()
+            if node is None:
+                break
+            target = node
+            keep = comp.retained_pages(node, tier)
+            if keep >= node.npages:
+                continue  # re-offered when the window below it moves
+            if keep:
+                target = self._split(node, node.npages - keep)
+            if before_drop is not None:
+                before_drop(self._victim(target, comp, tier))
+            if not target.mask[comp.index] & (1 << tier):
+                continue  # the callback already moved it
+            before = self._resident[tier][comp.index]
+            self._drop(target, comp, tier, freed)
+            evicted += before - self._resident[tier][comp.index]
+            victims += 1
+        if len(queue) > 4 * (self._resident[tier][comp.index] + 64):
+            queue.compact()
+        return EvictResult(
+            evicted_pages=evicted,
+            freed={k: np.concatenate(v) if v else _EMPTY for k, v in freed.items()},
+            victims=victims,
+        )
+
+    def _victim(self, node: Node, comp: Component, tier: int) -> Victim:
+        comps = [comp] if comp.index != FULL_INDEX else self.components
+        pages = {
+            c.kind: node.res[c.index * PAGED_TIERS + tier]
+            for c in comps
+            if node.res[c.index * PAGED_TIERS + tier] is not None
+        }
+        return Victim(node=node, tier=Tier(tier), pages=pages, hashes=lambda: self.page_hashes(node))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ hashes
+
+    def page_hashes(self, node: object) -> bytes:
+        """Chained hashes of `node`'s pages (PAGE_HASH_BYTES each), computed once, lazily."""
+        assert isinstance(node, Node)
+        chain: list[Node] = []
+        current: Node | None = node
+        while current is not None and current.parent is not None and current.hashes is None:
+            chain.append(current)
+            current = current.parent
+        for n in reversed(chain):
+            parent = n.parent
+            assert parent is not None
+            prev = parent.hashes[-PAGE_HASH_BYTES:] if parent.parent is not None and parent.hashes else n.root.seed
+            n.hashes = chain_hashes(prev, n.key, self._pb)
+        assert node.hashes is not None
+        return node.hashes
+
+    # ------------------------------------------------------------------ sessions
+
+    def _reference_session(self, session_id: str, gen: int, end: Node | None) -> None:
+        session = self._sessions.current(session_id, gen)
+        if session is None:
+            return  # closed (and maybe reopened) since this request matched
+        old = session.end
+        session.end = end
+        if end is not None:
+            self._session_refs(end, +1)
+        if old is not None:
+            self._session_refs(old, -1)
+
+    def _session_refs(self, end: Node, delta: int) -> None:
+        node: Node | None = end
+        while node is not None and node.parent is not None:
+            for comp in self._path_comps:
+                node.sref[comp.index] += delta
+            if delta < 0:
+                for tier in range(PAGED_TIERS):
+                    for comp in self._path_comps:
+                        self._queues[tier][comp.index].offer(node, force=True)
+            node = node.parent
+        for comp in self._point_comps:
+            end.sref[comp.index] += delta
+            if delta < 0:
+                for tier in range(PAGED_TIERS):
+                    self._queues[tier][comp.index].offer(end, force=True)
+
+    def session_generation(self, session_id: str) -> int:
+        return self._sessions.open(session_id)
+
+    def close_session(self, session_id: str) -> int:
+        """Drop the session's references (not its data); returns how many nodes it
+        referenced. A recently closed session returns 0; an unknown one is NotFound."""
+        try:
+            session = self._sessions.close(session_id)
+        except KeyError:
+            raise NotFound(f"session {session_id!r} is not open") from None
+        if session is None or session.end is None:
+            return 0
+        self._session_refs(session.end, -1)
+        return session.end.depth
+
+    # ------------------------------------------------------------------ integrity
+
+    def check_integrity(self) -> None:
+        """Verify every invariant and counter; raises AssertionError naming the first
+        violation. O(tree); for tests and idle-time checks."""
+        from hicache.tree.integrity import check_tree
+
+        check_tree(self)

@@ -1,0 +1,214 @@
+"""Random operation sequences against a brute-force oracle.
+
+The oracle is a plain map from each stored prefix (a tuple of pages) to its residency per
+component and tier (page ids). It learns only what the tree reports to the engine
+(pages taken or handed back by insert, pages freed or backed up by eviction) and computes
+every boundary itself, page by page, from the component rules. After every step the test
+compares match results and counters with the oracle and runs `check_integrity()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache.tree import HiRadixTree
+from hicache.types import ComponentKind, Tier
+
+FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
+P = 2  # tokens per page
+WINDOW = 2  # SWA window in pages
+DEV, HOST = Tier.DEVICE, Tier.HOST
+
+# A small page alphabet, weighted to one page, so sequences share prefixes and diverge often.
+pages_st = st.lists(st.sampled_from([(0, 0), (0, 0), (0, 0), (1, 0), (0, 1)]), min_size=1, max_size=6)
+op_st = st.one_of(
+    st.tuples(st.just("insert"), pages_st, st.integers(0, 3), st.booleans(), st.booleans()),
+    st.tuples(st.just("match"), pages_st, st.booleans(), st.sampled_from([None, "s1", "s2"])),
+    st.tuples(st.just("evict"), st.sampled_from([DEV, HOST]), st.sampled_from([FULL, SWA, MAMBA]),
+              st.integers(1, 4), st.booleans()),
+    st.tuples(st.just("unlock"), st.integers(0, 5)),
+    st.tuples(st.just("close"), st.sampled_from(["s1", "s2"])),
+)
+
+
+class Oracle:
+    def __init__(self, kinds: tuple[ComponentKind, ...]) -> None:
+        self.kinds = kinds
+        # prefix -> {(kind, tier): page id}
+        self.res: dict[tuple, dict[tuple[ComponentKind, Tier], int]] = {}
+        self.owner: dict[tuple[ComponentKind, Tier, int], tuple] = {}
+        self.locked: list[tuple] = []  # (device boundary, host boundary, pages, lock)
+
+    def set(self, prefix: tuple, kind: ComponentKind, tier: Tier, pid: int) -> None:
+        self.res.setdefault(prefix, {})[(kind, tier)] = pid
+        self.owner[(kind, tier, pid)] = prefix
+
+    def free(self, kind: ComponentKind, tier: Tier, pid: int) -> tuple:
+        prefix = self.owner.pop((kind, tier, pid))
+        del self.res[prefix][(kind, tier)]
+        return prefix
+
+    def drop_dead(self) -> None:
+        for prefix in [p for p, r in self.res.items() if (FULL, DEV) not in r and (FULL, HOST) not in r]:
+            for (kind, tier), pid in self.res.pop(prefix).items():
+                del self.owner[(kind, tier, pid)]
+
+    def boundary(self, pages: tuple, tiers: tuple[Tier, ...]) -> int:
+        """Deepest page boundary every component accepts, using data in `tiers`."""
+        def has(i: int, kind: ComponentKind) -> bool:
+            r = self.res.get(pages[:i], {})
+            return any((kind, t) in r for t in tiers)
+
+        best = 0
+        for b in range(1, len(pages) + 1):
+            if pages[:b] not in self.res or not has(b, FULL):
+                break
+            ok = True
+            if SWA in self.kinds:
+                ok = all(has(i, SWA) for i in range(max(1, b - WINDOW + 1), b + 1))
+            if MAMBA in self.kinds:
+                ok = ok and has(b, MAMBA)
+            if ok:
+                best = b
+        return best
+
+    def stored(self, pages: tuple) -> int:
+        n = 0
+        while n < len(pages) and pages[: n + 1] in self.res:
+            n += 1
+        return n
+
+
+def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
+    tree = HiRadixTree(P, {k: (WINDOW * P if k is SWA else 0) for k in kinds})
+    oracle = Oracle(kinds)
+    ids = itertools.count(1)
+    locks: list = []
+
+    def as_pages(spec) -> tuple:
+        return tuple((a, b) for a, b in spec)
+
+    def token_bytes(pages: tuple) -> bytes:
+        return np.array([t for page in pages for t in page], dtype="<u4").tobytes()
+
+    for op in ops:
+        if op[0] == "insert":
+            _, spec, swa_gap, checkpoint, with_lock = op
+            pages = as_pages(spec)
+            lock = None
+            start = 0
+            if with_lock:
+                m = tree.match("", token_bytes(pages), lock=True)
+                lock = m.lock
+                start = m.device_tokens // P
+                assert lock is not None
+            n = len(pages) - start
+            given_ids = {FULL: np.array([next(ids) for _ in range(n)], dtype=np.int64)}
+            if SWA in kinds:
+                swa = np.array([next(ids) for _ in range(n)], dtype=np.int64)
+                swa[: min(swa_gap, n)] = -1  # engine freed pages outside its window
+                given_ids[SWA] = swa
+            slot = next(ids) if (checkpoint and MAMBA in kinds) else None
+            before = oracle.stored(pages)
+            r = tree.insert("", token_bytes(pages), given_ids, lock=lock, mamba_slot=slot)
+            assert r.reused_tokens == max(before, start) * P
+            assert r.inserted_tokens == (len(pages) - max(before, start)) * P
+            for kind, arr in given_ids.items():
+                released = set(r.released[kind].tolist())
+                for i, pid in enumerate(arr.tolist()):
+                    if pid >= 0 and pid not in released:
+                        oracle.set(pages[: start + i + 1], kind, DEV, pid)
+            if slot is not None and slot not in set(r.released[MAMBA].tolist()):
+                oracle.set(pages, MAMBA, DEV, slot)
+            if lock is not None:
+                oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
+        elif op[0] == "match":
+            _, spec, lock, session = op
+            pages = as_pages(spec)
+            m = tree.match("", token_bytes(pages), lock=lock, session_id=session)
+            b0 = oracle.boundary(pages, (DEV,))
+            b1 = oracle.boundary(pages, (DEV, HOST))
+            assert m.device_tokens == b0 * P, (m, b0)
+            assert m.host_tokens == (b1 - b0) * P, (m, b1)
+            assert m.matched_tokens == oracle.stored(pages) * P
+            want = [oracle.res[pages[: i + 1]][(FULL, DEV)] for i in range(b0)]
+            assert m.device_pages[FULL].tolist() == want
+            if SWA in kinds:
+                want_swa = [oracle.res[pages[: i + 1]].get((SWA, DEV), -1) for i in range(b0)]
+                assert m.device_pages[SWA].tolist() == want_swa
+            if MAMBA in kinds and b0:
+                assert m.device_pages[MAMBA].tolist() == [oracle.res[pages[:b0]][(MAMBA, DEV)]]
+            if m.lock is not None:
+                locks.append(m.lock)
+                oracle.locked.append((b0, b1, pages, m.lock))
+        elif op[0] == "evict":
+            _, tier, kind, n, write_back = op
+            if kind not in kinds:
+                continue
+
+            def back_up(victim, tier=tier, write_back=write_back) -> None:
+                if tier is not DEV or not write_back:
+                    return
+                for k, arr in victim.pages.items():
+                    first = oracle.owner[(k, DEV, int(arr[0]))]
+                    if (k, HOST) in oracle.res[first]:
+                        continue  # already backed up: only missing pages are written
+                    if k is not FULL and (FULL, HOST) not in oracle.res[first]:
+                        continue  # a slot goes to host only where FULL is there too
+                    host_ids = np.array([next(ids) for _ in arr], dtype=np.int64)
+                    tree.set_resident(victim.node, k, HOST, host_ids)
+                    for dev_pid, host_pid in zip(arr.tolist(), host_ids.tolist(), strict=True):
+                        oracle.set(oracle.owner[(k, DEV, dev_pid)], k, HOST, host_pid)
+
+            r = tree.evict(tier, kind, n, before_drop=back_up)
+            for k, arr in r.freed.items():
+                for pid in arr.tolist():
+                    prefix = oracle.free(k, tier, pid)
+                    for b0, b1, pages, _ in oracle.locked:
+                        # Nothing a live lock covers may leave: FULL/SWA up to the host
+                        # boundary, MAMBA at the device and host boundaries.
+                        if k is MAMBA:
+                            assert prefix not in (pages[:b0], pages[:b1]) or not prefix, "locked checkpoint evicted"
+                        else:  # FULL and SWA locks cover the path
+                            assert not (len(prefix) <= b1 and pages[: len(prefix)] == prefix), "locked page evicted"
+            oracle.drop_dead()
+        elif op[0] == "unlock":
+            if locks:
+                lock = locks.pop(op[1] % len(locks))
+                if lock.active:
+                    tree.unlock(lock)
+                oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
+        elif op[0] == "close":
+            try:
+                tree.close_session(op[1])
+            except Exception as e:  # unknown session: must be NotFound
+                assert type(e).__name__ == "NotFound"
+        tree.check_integrity()
+        for tier in (DEV, HOST):
+            for kind in kinds:
+                held = sum(1 for r in oracle.res.values() if (kind, tier) in r)
+                assert tree.resident_pages(tier, kind) == held, (tier, kind)
+
+
+SETTINGS = settings(
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+
+
+@SETTINGS
+@given(st.lists(op_st, min_size=1, max_size=30))
+def test_full_only_against_oracle(ops: list) -> None:
+    run_sequence((FULL,), ops)
+
+
+@SETTINGS
+@given(st.lists(op_st, min_size=1, max_size=30))
+def test_full_swa_mamba_against_oracle(ops: list) -> None:
+    run_sequence((FULL, SWA, MAMBA), ops)

@@ -1,0 +1,245 @@
+"""Narrated scenarios with exact boundaries, pages and eviction order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.errors import InvalidArgument, NotFound
+from hicache.types import EvictionPolicy, Tier
+
+from .helpers import FULL, MAMBA, SWA, ids, make_tree, seq, toks
+
+
+def four_node_path(swa: bool, mamba: bool):
+    """Four nodes of 4 tokens (one page each) along one path, built turn by turn.
+    Node 3's SWA slot is a tombstone; node 4 has no MAMBA checkpoint."""
+    tree = make_tree(4, swa_window=4 if swa else None, mamba=mamba)
+    swa_pages = [0, 1, -1, 3]
+    for n in range(1, 5):
+        pages = {FULL: ids(*range(n))}
+        if swa:
+            pages[SWA] = ids(*swa_pages[:n])
+        slot = 100 + n if (mamba and n < 4) else None
+        tree.insert("", seq(0, 4 * n), pages, mamba_slot=slot)
+        tree.check_integrity()
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("swa", "mamba", "boundary"),
+    [
+        (True, True, 8),  # node 4: no checkpoint; node 3: SWA tombstone; node 2 passes all
+        (True, False, 16),  # node 3 fails SWA but the walk goes on: node 4's window is whole
+        (False, False, 16),  # FULL alone: the whole path
+    ],
+)
+def test_four_node_path_deepest_safe_boundary(swa: bool, mamba: bool, boundary: int) -> None:
+    tree = four_node_path(swa, mamba)
+    m = tree.match("", seq(0, 18))  # two tokens past the last page: never reused
+    assert m.device_tokens == boundary
+    assert m.host_tokens == m.storage_tokens == 0
+    assert m.matched_tokens == 16
+    assert list(m.device_pages[FULL]) == list(range(boundary // 4))
+    if swa:
+        assert list(m.device_pages[SWA]) == [0, 1, -1, 3][: boundary // 4]
+    if mamba:
+        assert list(m.device_pages[MAMBA]) == [102]
+    tree.check_integrity()
+
+
+def test_partial_last_page_is_never_reused_and_match_splits_without_copying() -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 12), {FULL: ids(7, 8, 9)})
+    m = tree.match("", seq(0, 7))  # 1 whole page + 3 tokens
+    assert m.device_tokens == 4 and list(m.device_pages[FULL]) == [7]
+    m = tree.match("", seq(0, 8) + toks(99, 99, 99, 99))  # diverges inside the node: split
+    assert m.device_tokens == 8 and list(m.device_pages[FULL]) == [7, 8]
+    head, tail = m.path[0], next(iter(m.path[0].children.values()))  # type: ignore[attr-defined]
+    assert head.res[0].base is not None and head.res[0].base is tail.res[0].base, "split must divide, not copy"
+    tree.check_integrity()
+
+
+def test_insert_adds_only_the_unmatched_suffix_and_returns_duplicates() -> None:
+    tree = make_tree(4)
+    r = tree.insert("", seq(0, 8), {FULL: ids(1, 2)})
+    assert (r.inserted_tokens, r.reused_tokens) == (8, 0)
+    # A second engine computed the same first page again (page 5) and one more page.
+    r = tree.insert("", seq(0, 12), {FULL: ids(5, 2, 6)})
+    assert (r.inserted_tokens, r.reused_tokens) == (4, 8)
+    assert list(r.released[FULL]) == [5]  # the tree keeps its own page 1
+    assert list(tree.match("", seq(0, 12)).device_pages[FULL]) == [1, 2, 6]
+    tree.check_integrity()
+
+
+def test_namespaces_never_share_pages() -> None:
+    tree = make_tree(4)
+    tree.insert("tenant-a", seq(0, 8), {FULL: ids(1, 2)})
+    assert tree.match("tenant-b", seq(0, 8)).device_tokens == 0
+    assert tree.match("", seq(0, 8)).device_tokens == 0
+    assert tree.match("tenant-a", seq(0, 8)).device_tokens == 8
+    assert tree.page_hashes(tree.match("tenant-a", seq(0, 8)).path[0]) != b""
+
+
+def test_chained_hashes_depend_on_the_whole_prefix_and_survive_splits() -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 12), {FULL: ids(1, 2, 3)})
+    whole = tree.page_hashes(tree.match("", seq(0, 12)).path[-1])
+    tree.match("", seq(0, 4) + toks(9, 9, 9, 9))  # split after page 1
+    m = tree.match("", seq(0, 12))
+    assert b"".join(tree.page_hashes(n) for n in m.path) == whole
+    other = make_tree(4, model_id="model")
+    other.insert("", toks(5, 5, 5, 5) + seq(4, 8), {FULL: ids(1, 2, 3)})
+    m2 = other.match("", toks(5, 5, 5, 5) + seq(4, 8))
+    assert tree.page_hashes(m.path[-1])[-16:] != other.page_hashes(m2.path[-1])[-16:]
+
+
+def test_lru_eviction_order_leaf_first_and_locks_hold() -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2)})  # A=[1] -> B=[2] after the next insert
+    tree.insert("", seq(0, 4) + seq(100, 4), {FULL: ids(1, 3)})  # sibling C=[3]
+    tree.match("", seq(0, 8))  # B used after C
+    lock = tree.match("", seq(0, 4) + seq(100, 4), lock=True).lock  # C locked
+    assert tree.locked_pages(Tier.DEVICE, FULL) == 2
+    r = tree.evict(Tier.DEVICE, FULL, 1)
+    assert list(r.freed[FULL]) == [2]  # B: the only unlocked leaf
+    r = tree.evict(Tier.DEVICE, FULL, 5)
+    assert r.evicted_pages == 0  # A has a child, C is locked
+    assert lock is not None
+    tree.unlock(lock)
+    r = tree.evict(Tier.DEVICE, FULL, 5)
+    assert list(r.freed[FULL]) == [3, 1]  # C, then A once it became a leaf
+    assert tree.resident_pages(Tier.DEVICE, FULL) == 0
+    tree.check_integrity()
+    with pytest.raises(NotFound):
+        tree.unlock(lock)
+
+
+def test_lfu_prefers_cold_leaves() -> None:
+    tree = make_tree(4, policy=EvictionPolicy.LFU)
+    tree.insert("", seq(0, 4), {FULL: ids(1)})
+    tree.insert("", seq(50, 4), {FULL: ids(2)})
+    for _ in range(3):
+        tree.match("", seq(0, 4))
+    tree.match("", seq(50, 4))  # most recent, but used once
+    assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [2]
+
+
+def test_write_back_eviction_moves_a_family_to_host_and_match_reports_host_tokens() -> None:
+    tree = make_tree(4, swa_window=4, mamba=True)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2), SWA: ids(11, 12)}, mamba_slot=21)
+    host = iter(range(500, 600))
+
+    def back_up(victim) -> None:
+        for kind, pages in victim.pages.items():
+            tree.set_resident(victim.node, kind, Tier.HOST, np.array([next(host) for _ in pages]))
+
+    r = tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up)
+    assert list(r.freed[FULL]) == [1, 2] and list(r.freed[MAMBA]) == [21]
+    m = tree.match("", seq(0, 8), lock=True)
+    assert (m.device_tokens, m.host_tokens) == (0, 8)
+    assert m.lock is not None and m.lock.end is not None
+    assert tree.locked_pages(Tier.HOST, FULL) == 2
+    tree.check_integrity()
+    tree.unlock(m.lock)
+    assert tree.evict(Tier.HOST, FULL, 10).evicted_pages == 2
+    assert tree.match("", seq(0, 8)).matched_tokens == 0
+    tree.check_integrity()
+
+
+def test_swa_eviction_splits_at_the_retention_boundary_and_leaves_tombstones() -> None:
+    tree = make_tree(4, swa_window=8)  # window: 2 pages
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(11, 12, 13, 14)})
+    tree.insert("", seq(0, 16) + seq(200, 4), {FULL: ids(1, 2, 3, 4, 5), SWA: ids(11, 12, 13, 14, 15)})
+    # Path: X=[p1..p4] -> Y=[p5] (leaf). Y's window needs p4 and p5: only p1..p3 may go.
+    r = tree.evict(Tier.DEVICE, SWA, 10)
+    assert list(r.freed[SWA]) == [11, 12, 13]
+    assert r.freed[FULL].size == 0
+    m = tree.match("", seq(0, 16) + seq(200, 4))
+    assert m.device_tokens == 20  # still reusable at the end
+    assert list(m.device_pages[SWA]) == [-1, -1, -1, 14, 15]
+    assert tree.match("", seq(0, 12)).device_tokens == 0  # inside the tombstone: no window
+    tree.check_integrity()
+
+
+def test_session_references_reorder_eviction_and_close_drops_them() -> None:
+    tree = make_tree(4)
+    m = tree.match("", seq(0, 4), lock=True, session_id="s1")
+    tree.insert("", seq(0, 4), {FULL: ids(1)}, lock=m.lock)
+    tree.insert("", seq(40, 4), {FULL: ids(2)})  # sessionless, newer
+    assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [2]  # referenced goes last
+    tree.insert("", seq(40, 4), {FULL: ids(2)})
+    assert tree.close_session("s1") == 1
+    assert tree.close_session("s1") == 0  # recently closed: a no-op
+    with pytest.raises(NotFound):
+        tree.close_session("never-opened")
+    assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [1]  # plain LRU again
+    tree.check_integrity()
+
+
+def test_late_request_cannot_restore_references_after_close_and_reopen() -> None:
+    tree = make_tree(4)
+    late = tree.match("", seq(0, 4), lock=True, session_id="s")
+    tree.close_session("s")
+    fresh = tree.match("", seq(80, 4), lock=True, session_id="s")  # reopened
+    tree.insert("", seq(0, 4), {FULL: ids(1)}, lock=late.lock)
+    tree.insert("", seq(80, 4), {FULL: ids(2)}, lock=fresh.lock)
+    tree.check_integrity()
+    # Only the new generation's boundary is referenced: page 1 (late) goes first.
+    assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [1]
+
+
+def test_mamba_checkpoint_copy_on_write_keeps_the_original() -> None:
+    tree = make_tree(4, mamba=True)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2)}, mamba_slot=30)
+    m = tree.match("", seq(0, 12), lock=True)
+    assert list(m.device_pages[MAMBA]) == [30]  # the engine copies it into its own slot
+    r = tree.insert("", seq(0, 12), {FULL: ids(3)}, lock=m.lock, mamba_slot=31)
+    assert r.released[MAMBA].size == 0
+    assert list(tree.match("", seq(0, 8)).device_pages[MAMBA]) == [30]
+    assert list(tree.match("", seq(0, 12)).device_pages[MAMBA]) == [31]
+    r = tree.insert("", seq(0, 12), {FULL: ids(1, 2, 3)}, mamba_slot=32)
+    assert list(r.released[MAMBA]) == [32]  # a checkpoint is there already
+    tree.check_integrity()
+
+
+def test_keep_lock_moves_the_lock_to_the_new_end() -> None:
+    tree = make_tree(4)
+    m = tree.match("", seq(0, 8), lock=True)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2)}, lock=m.lock, keep_lock=True)
+    assert tree.locked_pages(Tier.DEVICE, FULL) == 2
+    assert tree.evict(Tier.DEVICE, FULL, 9).evicted_pages == 0
+    assert m.lock is not None
+    tree.insert("", seq(0, 12), {FULL: ids(3)}, lock=m.lock)
+    assert tree.active_locks == 0 and tree.locked_pages(Tier.DEVICE, FULL) == 0
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda t: t.match("", b"\x01\x02\x03"), "not a multiple of 4"),
+        (lambda t: t.insert("", seq(0, 8), {FULL: ids(1)}), "1 page ids for 2 new pages"),
+        (lambda t: t.insert("", seq(0, 4), {FULL: ids(-1)}), "page ids must be >= 0"),
+        (lambda t: t.insert("", seq(0, 4), {SWA: ids(1)}), "which this model does not have"),
+        (lambda t: t.evict(Tier.STORAGE, FULL, 1), "manages its own eviction"),
+    ],
+)
+def test_bad_input_is_refused_and_changes_nothing(call, message: str) -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 4), {FULL: ids(9)})
+    with pytest.raises(InvalidArgument, match=message):
+        call(tree)
+    assert list(tree.match("", seq(0, 4)).device_pages[FULL]) == [9]
+    tree.check_integrity()
+
+
+def test_insert_with_a_lock_on_other_tokens_is_refused() -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 4), {FULL: ids(9)})
+    m = tree.match("", seq(0, 4), lock=True)
+    with pytest.raises(InvalidArgument, match="do not start with the prefix"):
+        tree.insert("", seq(1, 8), {FULL: ids(1)}, lock=m.lock)
+    with pytest.raises(InvalidArgument, match="does not match the lock's namespace"):
+        tree.insert("other", seq(0, 8), {FULL: ids(1)}, lock=m.lock)
+    tree.check_integrity()
