@@ -21,6 +21,7 @@ log = logging.getLogger("hicache")
 BENCHMARKS = {
     "tree": "radix tree: match / insert / evict cost on a multi-turn workload",
     "tiers": "L1<->L2 copies and L3 backends vs their raw baselines",
+    "gpu": "CUDA IPC export/import and pinned L1<->L2 copies vs plain torch copies",
 }
 
 

@@ -338,7 +338,7 @@ class StorageConfig:
                 if not getattr(self.mooncake, key):
                     raise ConfigError(
                         f"{path}.mooncake.{key}: required with storage.backend=mooncake "
-                        f"(or set {_MOONCAKE_ENV[key]})"
+                        f"(or set {MOONCAKE_ENV[key]})"
                     )
 
 
@@ -360,6 +360,7 @@ class TokenConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     listen: str = "unix:///tmp/hicache.sock"
+    probe_listen: str | None = None
     socket_mode: str = "0660"
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -370,11 +371,9 @@ class ServerConfig:
 
     def _validate(self, path: str) -> None:
         if not self.listen.startswith("unix://"):
-            host, sep, port = self.listen.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(
-                    f"{path}.listen: {self.listen!r} is neither unix:///path nor host:port"
-                )
+            _host_port(self.listen, f"{path}.listen", "is neither unix:///path nor host:port")
+        if self.probe_listen is not None:
+            _host_port(self.probe_listen, f"{path}.probe_listen", "is not host:port")
         try:
             mode = int(self.socket_mode, 8)
         except ValueError:
@@ -470,7 +469,7 @@ class HicacheConfig:
 
 # --------------------------------------------------------------------------- loading
 
-_MOONCAKE_ENV = {
+MOONCAKE_ENV = {
     "master": "MOONCAKE_MASTER",
     "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
     "protocol": "MOONCAKE_PROTOCOL",
@@ -541,13 +540,13 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     """Fill Mooncake settings from the standard environment variables; YAML wins."""
     section = raw.setdefault("storage", {}).setdefault("mooncake", {}) if any(
-        v in env for v in _MOONCAKE_ENV.values()
+        v in env for v in MOONCAKE_ENV.values()
     ) else None
     if section is None:
         return
     if not isinstance(section, dict):
         raise ConfigError("storage.mooncake: must be a mapping")
-    for key, var in _MOONCAKE_ENV.items():
+    for key, var in MOONCAKE_ENV.items():
         if var in env and section.get(key) in (None, ""):
             value: Any = env[var]
             if key == "global_segment_size":
@@ -635,6 +634,12 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a string, got {_show(value)}")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
+
+
+def _host_port(value: str, path: str, problem: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{path}: {value!r} {problem}")
 
 
 def _optional(tp: Any) -> bool:
