@@ -1,0 +1,220 @@
+"""L1 pools in shared memory: layout, descriptors, a second process mapping them, stale
+segments of a killed daemon, and (on a GPU machine) CUDA IPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tierkit import oracle, tiny_config
+
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicache.tiers.base import PoolDescriptor, PoolKind
+from hicache.tiers.device import (
+    SHM_DIR,
+    ShmDevicePools,
+    attach_device_pools,
+    cleanup_stale_segments,
+)
+from hicache.types import ComponentKind
+
+Make = Callable[..., ShmDevicePools]
+TESTS = Path(__file__).parent
+
+
+def test_pools_are_layer_major_segments_named_per_instance(make_device: Make, instance: str) -> None:
+    pools = make_device(tiny_config())
+    pid = os.getpid()
+    assert [p.name for p in pools.segment_paths()] == [
+        f"hicache-{instance}-{pid}-full",
+        f"hicache-{instance}-{pid}-idx",
+        f"hicache-{instance}-{pid}-mamba",
+    ]
+    full, idx, mamba = pools.descriptors()
+    # full: 16 pages x 32 B per layer, 2 layers.
+    assert full == PoolDescriptor(
+        member="full", kind=PoolKind.SHM, handle=f"hicache-{instance}-{pid}-full".encode(),
+        device=-1, num_pages=16, layer_stride_bytes=512, page_stride_bytes=32, layers=2,
+        size_bytes=1024,
+    )
+    # The sidecar follows full's page ids (16 pages), with its own 3 layers of 8 B.
+    assert (idx.num_pages, idx.layers, idx.page_stride_bytes) == (16, 3, 8)
+    assert (mamba.num_pages, mamba.layers, mamba.page_stride_bytes) == (4, 2, 24)
+    assert pools.layer("idx", 2).shape == (16, 8)
+    assert pools.num_pages(ComponentKind.MAMBA) == 4
+    assert pools.allocator(ComponentKind.FULL) is pools.allocator(ComponentKind.FULL)
+
+    # Layer 1 of page 3 lives at 1 * layer_stride + 3 * page_stride of the segment.
+    pools.layer("full", 1)[3] = 7
+    raw = np.fromfile(pools.segment_paths()[0], dtype=np.uint8)
+    assert (raw[512 + 96 : 512 + 128] == 7).all() and raw[:512].sum() == 0
+
+    with pytest.raises(InvalidArgument, match=r"layer 2 out of range \[0, 2\)"):
+        pools.layer("full", 2)
+    with pytest.raises(InvalidArgument, match="unknown member 'kv'"):
+        pools.layer("kv", 0)
+
+
+def test_close_unlinks_every_segment(make_device: Make) -> None:
+    pools = make_device(tiny_config())
+    paths = pools.segment_paths()
+    assert all(p.exists() for p in paths)
+    pools.close()
+    assert not any(p.exists() for p in paths)
+    pools.close()  # idempotent
+
+
+ENGINE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from tierkit import oracle
+    from hicache.tiers.base import PoolDescriptor, PoolKind
+    from hicache.tiers.device import attach_device_pools
+    blobs = ("handle", "ref_counter_handle", "event_handle")
+    descs = [PoolDescriptor(**{**d, "kind": PoolKind(d["kind"]), **{k: bytes.fromhex(d[k]) for k in blobs}})
+             for d in json.loads(sys.argv[1])]
+    views = attach_device_pools(descs)
+    # Read what the daemon wrote: full pages 0..3, every layer.
+    ok = all(np.array_equal(views["full"][l][p].numpy(), oracle("full", p, l, 32))
+             for p in range(4) for l in range(2))
+    # Write pages 8..9 of the sidecar for the daemon to see.
+    for p in (8, 9):
+        for l in range(3):
+            views["idx"][l][p] = __import__("torch").from_numpy(oracle("idx", p, l, 8, salt=1))
+    print(json.dumps({"read_ok": ok}))
+    """
+)
+
+
+def _encode(descs: tuple[PoolDescriptor, ...]) -> str:
+    return json.dumps(
+        [{**dataclasses.asdict(d), "kind": d.kind.value, "handle": d.handle.hex(),
+          "ref_counter_handle": d.ref_counter_handle.hex(), "event_handle": d.event_handle.hex()}
+         for d in descs]
+    )
+
+
+def test_a_second_process_reads_and_writes_what_the_daemon_sees(make_device: Make) -> None:
+    pools = make_device(tiny_config())
+    for p in range(4):
+        for layer in range(2):
+            pools.layer("full", layer)[p] = torch.from_numpy(oracle("full", p, layer, 32))
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE,
+         _encode(pools.descriptors()), str(TESTS)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"read_ok": True}
+    for p in (8, 9):
+        for layer in range(3):
+            assert np.array_equal(pools.layer("idx", layer)[p].numpy(), oracle("idx", p, layer, 8, 1))
+    assert pools.layer("idx", 0)[7].numpy().sum() == 0
+
+
+def test_attach_refuses_missing_and_foreign_segments(make_device: Make) -> None:
+    pools = make_device(tiny_config())
+    full = pools.descriptors()[0]
+    with pytest.raises(NotFound, match="does not exist"):
+        attach_device_pools([dataclasses.replace(full, handle=b"hicache-nobody-1-full")])
+    with pytest.raises(InvalidArgument, match="not a hicache shm segment"):
+        attach_device_pools([dataclasses.replace(full, handle=b"../etc/passwd")])
+    with pytest.raises(InvalidArgument, match="holds 1024 bytes, the descriptor needs 2048"):
+        attach_device_pools([dataclasses.replace(full, layers=4)])
+
+
+DAEMON = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from tierkit import tiny_config
+    from hicache.tiers.device import ShmDevicePools
+    pools = ShmDevicePools.create(tiny_config(), sys.argv[1])
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_segments_of_a_killed_daemon_are_cleaned_at_start(instance: str, make_device: Make) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DAEMON, instance, str(TESTS)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        stale = sorted(p.name for p in SHM_DIR.glob(f"hicache-{instance}-{proc.pid}-*"))
+        assert len(stale) == 3
+        # While the owner lives, a second daemon for the instance is refused.
+        with pytest.raises(FailedPrecondition, match=f"already served by live pid {proc.pid}"):
+            ShmDevicePools.create(tiny_config(), instance)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert all((SHM_DIR / name).exists() for name in stale)  # SIGKILL left them behind
+
+    pools = make_device(tiny_config())  # cleans first
+    assert not any((SHM_DIR / name).exists() for name in stale)
+    assert all(p.exists() for p in pools.segment_paths())
+    assert cleanup_stale_segments("nobody_here") == []
+
+
+def test_instance_names_are_checked() -> None:
+    with pytest.raises(InvalidArgument, match="letters, digits"):
+        cleanup_stale_segments("a-b")
+    with pytest.raises(InvalidArgument, match="letters, digits"):
+        ShmDevicePools.create(tiny_config(), "../x")
+
+
+CUDA_ENGINE = textwrap.dedent(
+    """
+    import pickle, sys
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    from tierkit import oracle
+    from hicache.tiers.device import attach_device_pools
+    descs = pickle.loads(sys.stdin.buffer.read())
+    views = attach_device_pools(descs)
+    ok = all(torch.equal(views["full"][l][p].cpu(), torch.from_numpy(oracle("full", p, l, 32)))
+             for p in range(4) for l in range(2))
+    views["full"][0][5] = torch.from_numpy(oracle("full", 5, 0, 32, salt=2)).cuda()
+    torch.cuda.synchronize()
+    print("read_ok" if ok else "read_bad", flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pools_round_trip_through_ipc_in_another_process() -> None:
+    import pickle
+
+    from hicache.tiers.cuda import CudaDevicePools
+
+    pools = CudaDevicePools.create(tiny_config())
+    try:
+        for p in range(4):
+            for layer in range(2):
+                pools.layer("full", layer)[p] = torch.from_numpy(oracle("full", p, layer, 32)).cuda()
+        torch.cuda.synchronize()
+        descs = pools.descriptors()
+        assert descs[0].kind is PoolKind.CUDA_IPC and len(descs[0].handle) > 0
+        out = subprocess.run(
+            [sys.executable, "-c", CUDA_ENGINE, str(TESTS)], input=pickle.dumps(descs),
+            capture_output=True, timeout=120, check=True,
+        )
+        assert out.stdout.decode().strip().endswith("read_ok")
+        expected = torch.from_numpy(oracle("full", 5, 0, 32, salt=2))
+        assert torch.equal(pools.layer("full", 0)[5].cpu(), expected)
+    finally:
+        pools.close()

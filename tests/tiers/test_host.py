@@ -1,0 +1,84 @@
+"""L2 host pools: sizing, both layouts, page objects for L3, and the RAM refusal."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from tierkit import tiny_config
+
+from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
+from hicache.tiers.host import HEADER_BYTES, HostBufferPools, build_host_pools, host_pages
+from hicache.types import ComponentKind, HostLayout
+
+Make = Callable[..., HostBufferPools]
+
+
+def test_sizes_follow_the_ratio_and_mamba_gets_the_same_multiple() -> None:
+    # 16 L1 pages x 2.0 -> 32; mamba 4 slots x 2.0 -> 8.
+    assert host_pages(tiny_config()) == {ComponentKind.FULL: 32, ComponentKind.MAMBA: 8}
+    # ratio 2.5: 40 pages, ceil(4 x 2.5) = 10 slots.
+    assert host_pages(tiny_config(ratio=2.5)) == {ComponentKind.FULL: 40, ComponentKind.MAMBA: 10}
+
+
+def test_size_gb_splits_the_budget_over_every_member() -> None:
+    # One page of every member: full 2x32 + idx 3x8 + mamba 2x24 = 136 bytes.
+    cfg = tiny_config(size_gb=136 * 1000 / (1 << 30))
+    pages = host_pages(cfg)
+    assert pages == {ComponentKind.FULL: 1000, ComponentKind.MAMBA: 1000}
+    assert sum(pages[m.component] * m.bytes_per_page for m in cfg.model.members) <= 136 * 1000
+
+
+def test_layer_first_is_like_l1_and_has_no_page_objects(make_host: Make) -> None:
+    pools = make_host(tiny_config("layer_first"))
+    assert pools.layout is HostLayout.LAYER_FIRST and not pools.pinned
+    rows = pools.layer("full", 1)
+    assert rows.shape == (32, 32) and rows.is_contiguous()
+    assert rows.data_ptr() == pools.buffer_address + 32 * 32  # after layer 0
+    assert pools.buffer_address % 4096 == 0 and pools.buffer_size % 4096 == 0
+    with pytest.raises(FailedPrecondition, match="page_first"):
+        pools.object_view("full", 0)
+
+
+def test_page_first_slots_are_header_then_all_layers(make_host: Make) -> None:
+    pools = make_host(tiny_config("page_first"))
+    # full: 64 B header + 2 x 32 B payload = 128 B slot; idx: 64 + 24 -> 88, padded to 128.
+    assert pools.object_bytes == {"full": 128, "idx": 88, "mamba": 112}
+    pools.layer("full", 0)[5] = 1
+    pools.layer("full", 1)[5] = 2
+    obj = pools.object_view("full", 5)
+    assert obj.flags.c_contiguous and obj.nbytes == 128
+    assert (obj[:HEADER_BYTES] == 0).all()
+    assert obj[HEADER_BYTES:].tolist() == [1] * 32 + [2] * 32
+    assert np.array_equal(pools.payload_view("full", 5), obj[HEADER_BYTES:])
+    assert pools.object_address("full", 5) == obj.ctypes.data == pools.buffer_address + 5 * 128
+    # The sidecar region starts on the next OS page after full's 32 slots.
+    idx = pools.object_view("idx", 1)
+    assert idx.nbytes == 88 and pools.object_address("idx", 1) == pools.buffer_address + 4096 + 128
+    assert pools.layer("idx", 2).stride() == (128, 1)
+    obj[0] = 9  # the header area is writable in place (the L3 layer writes it)
+    assert pools.object_view("full", 5)[0] == 9
+    with pytest.raises(InvalidArgument, match=r"page id 32 out of range \[0, 32\)"):
+        pools.payload_view("full", 32)
+
+
+def test_refuses_to_start_when_ram_is_short() -> None:
+    cfg = tiny_config("page_first", reserve_gb=1.0)
+    needed = 4096 * 3  # three members, each region rounded to one OS page
+    message = (
+        f"tiers.l2: the host pools need {needed} bytes (0.00 GiB) but only 0 bytes (0.00 GiB) "
+        f"may be used (MemAvailable {1 << 29} bytes minus tiers.l2.reserve_gb 1.0)"
+    )
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_host_pools(cfg, pin=False, available_bytes=1 << 29)
+    pools = build_host_pools(cfg, pin=False, available_bytes=(1 << 30) + needed)
+    assert pools.buffer_size == needed
+    pools.close()
+
+
+def test_auto_layout_must_be_resolved_first() -> None:
+    cfg = tiny_config()
+    with pytest.raises(InvalidArgument, match="resolve layout 'auto'"):
+        HostBufferPools(cfg.model.members, host_pages(cfg), HostLayout.AUTO)

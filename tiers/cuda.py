@@ -1,0 +1,276 @@
+"""CUDA side of the tiers: L1 pools in GPU memory exported over CUDA IPC, pinned host
+registration, and the stream/event copy engine. Importable without CUDA; every entry
+point raises `FailedPrecondition` when CUDA is absent.
+
+IPC uses torch's own protocol (`torch.multiprocessing.reductions`): the daemon keeps each
+pool tensor alive for its lifetime; `PoolDescriptor` carries the IPC memory handle, the
+offset of the pool inside the exported allocation and torch's reference-counter and event
+handles, so any process with torch can open it (`open_ipc_pool`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.multiprocessing import reductions
+
+from hicache.config import HicacheConfig, MemberSpec
+from hicache.errors import FailedPrecondition
+from hicache.tiers.base import (
+    CopyEngine,
+    CopyResult,
+    DevicePools,
+    HostPools,
+    LayerCallback,
+    PageIds,
+    PoolDescriptor,
+    PoolKind,
+)
+from hicache.tiers.copy import copy_rows, plan_rows, validate_copy
+from hicache.tiers.members import MemberTable
+from hicache.types import ComponentKind
+
+REGISTER_CHUNK = 1 << 30  # cudaHostRegister in 1 GiB pieces: huge single calls stall
+
+
+def _require_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise FailedPrecondition("CUDA is not available on this machine")
+
+
+def register_host_memory(
+    address: int, size: int, chunk: int = REGISTER_CHUNK
+) -> list[tuple[int, int]]:
+    """Page-lock ``[address, address + size)`` in chunks; return the chunks registered.
+
+    On failure, the chunks registered so far are unregistered and `FailedPrecondition`
+    (with the CUDA error code) is raised.
+    """
+    _require_cuda()
+    cudart = torch.cuda.cudart()
+    done: list[tuple[int, int]] = []
+    for start in range(address, address + size, chunk):
+        length = min(chunk, address + size - start)
+        err = cudart.cudaHostRegister(start, length, 0)
+        if int(err) != 0:
+            unregister_host_memory(done)
+            raise FailedPrecondition(
+                f"cudaHostRegister({length} bytes at {start:#x}) failed with CUDA error {int(err)}"
+            )
+        done.append((start, length))
+    return done
+
+
+def unregister_host_memory(chunks: Sequence[tuple[int, int]]) -> None:
+    """Undo `register_host_memory`; errors are ignored (the memory is being released)."""
+    cudart = torch.cuda.cudart()
+    for start, _ in chunks:
+        cudart.cudaHostUnregister(start)
+
+
+class CudaDevicePools(MemberTable, DevicePools):
+    """L1 pools as one CUDA tensor per member ``layers x num_pages x page`` bytes."""
+
+    def __init__(
+        self,
+        members: Sequence[MemberSpec],
+        pages: Mapping[ComponentKind, int],
+        device: int | None = None,
+    ) -> None:
+        _require_cuda()
+        MemberTable.__init__(self, members, pages, "l1")
+        self._device = torch.cuda.current_device() if device is None else device
+        self._tensors: dict[str, torch.Tensor] = {}
+        for spec in self.members:
+            n = self.num_pages(spec.component)
+            self._tensors[spec.name] = torch.empty(
+                (spec.layers, n, spec.bytes_per_page_per_layer),
+                dtype=torch.uint8,
+                device=f"cuda:{self._device}",
+            )
+
+    @classmethod
+    def create(cls, cfg: HicacheConfig, device: int | None = None) -> CudaDevicePools:
+        members = cfg.model.members
+        return cls(members, {m.component: cfg.pages_for(m.component) for m in members}, device)
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    def layer(self, member: str, layer: int) -> torch.Tensor:
+        self.checked_layer(member, layer)
+        return self._tensors[member][layer]
+
+    def descriptors(self) -> tuple[PoolDescriptor, ...]:
+        out = []
+        for spec in self.members:
+            tensor = self._tensors[spec.name]
+            _, args = reductions.reduce_tensor(tensor)
+            # args: cls, size, stride, offset, storage cls, dtype, device, handle, storage
+            # bytes, storage offset bytes, requires_grad, refcounter handle/offset, event.
+            n = self.num_pages(spec.component)
+            out.append(
+                PoolDescriptor(
+                    member=spec.name,
+                    kind=PoolKind.CUDA_IPC,
+                    handle=bytes(args[7]),
+                    device=int(args[6]),
+                    num_pages=n,
+                    layer_stride_bytes=n * spec.bytes_per_page_per_layer,
+                    page_stride_bytes=spec.bytes_per_page_per_layer,
+                    layers=spec.layers,
+                    offset_bytes=int(args[9]) + int(args[3]),
+                    size_bytes=int(args[8]),
+                    ref_counter_handle=bytes(args[11]),
+                    ref_counter_offset=int(args[12]),
+                    event_handle=bytes(args[13]) if args[13] is not None else b"",
+                    event_sync_required=bool(args[14]),
+                )
+            )
+        return tuple(out)
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
+    """Engine side: open one CUDA IPC pool; per-layer uint8 tensors ``[num_pages, page]``."""
+    _require_cuda()
+    total = desc.layers * desc.layer_stride_bytes
+    flat = reductions.rebuild_cuda_tensor(
+        torch.Tensor,
+        (total,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        desc.device,
+        desc.handle,
+        desc.size_bytes,
+        desc.offset_bytes,
+        False,
+        desc.ref_counter_handle,
+        desc.ref_counter_offset,
+        desc.event_handle or None,
+        desc.event_sync_required,
+    )
+    grid = flat.view(desc.layers, desc.num_pages, desc.page_stride_bytes)
+    return tuple(grid[layer] for layer in range(desc.layers))
+
+
+class CudaCopyEngine(CopyEngine):
+    """L1 (GPU) <-> L2 (pinned host) on a dedicated stream, one event per layer.
+
+    Every layer is enqueued first, then the calling thread waits on each layer's event in
+    order and reports it, so layer `l+1` is in flight while `l` is reported. The GPU side
+    gathers/scatters with index ops into contiguous staging rows; the host side moves
+    straight between staging and the pool when the host ids form one contiguous run of a
+    contiguous layer view, and through a pinned staging buffer plus a CPU row copy otherwise.
+    """
+
+    def __init__(self, device: DevicePools, host: HostPools) -> None:
+        _require_cuda()
+        self._device = device
+        self._host = host
+        self._stream = torch.cuda.Stream(device=torch.device("cuda", torch.cuda.current_device()))
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="hicache-cuda-copy")
+
+    def device_to_host(
+        self,
+        family: ComponentKind,
+        device_ids: PageIds,
+        host_ids: PageIds,
+        on_layer: LayerCallback | None = None,
+    ) -> CopyResult:
+        d, h = validate_copy(family, self._device, device_ids, self._host, host_ids, ("L1", "L2"))
+        return self._run(family, d, h, to_host=True, on_layer=on_layer)
+
+    def host_to_device(
+        self,
+        family: ComponentKind,
+        host_ids: PageIds,
+        device_ids: PageIds,
+        on_layer: LayerCallback | None = None,
+    ) -> CopyResult:
+        h, d = validate_copy(family, self._host, host_ids, self._device, device_ids, ("L2", "L1"))
+        return self._run(family, d, h, to_host=False, on_layer=on_layer)
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        self._pool.shutdown(wait=True)
+
+    def _run(
+        self,
+        family: ComponentKind,
+        dev_ids: npt.NDArray[np.int64],
+        host_ids: npt.NDArray[np.int64],
+        to_host: bool,
+        on_layer: LayerCallback | None,
+    ) -> CopyResult:
+        members = self._device.family(family)
+        n = int(dev_ids.size)
+        layers = max(m.layers for m in members)
+        staged = np.arange(n, dtype=np.int64)
+        # Rows i of a staging buffer belong to pair i; host side: staging <-> host ids.
+        host_plan = (
+            plan_rows(staged, host_ids, 2) if to_host else plan_rows(host_ids, staged, 2)
+        )
+        # One contiguous run of host pages: DMA straight between staging and the pool.
+        direct = n > 0 and bool(np.all(np.diff(host_ids) == 1))
+        gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
+        events: list[torch.cuda.Event] = []
+        finish: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        moved = 0
+        main = torch.cuda.current_stream(self._stream.device)
+        self._stream.wait_stream(main)  # the engine's kernels that wrote L1 come first
+        with torch.cuda.stream(self._stream):
+            for layer in range(layers):
+                pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+                for spec in members:
+                    if layer >= spec.layers or n == 0:
+                        continue
+                    moved += n * spec.bytes_per_page_per_layer
+                    dev_rows = self._device.layer(spec.name, layer)
+                    host_rows = self._host.layer(spec.name, layer)
+                    h0 = int(host_ids[0])
+                    host_slice = host_rows[h0 : h0 + n]
+                    use_direct = direct and host_slice.is_contiguous()
+                    if to_host:
+                        rows = dev_rows.index_select(0, gpu_ids)
+                        if use_direct:
+                            host_slice.copy_(rows, non_blocking=True)
+                        else:
+                            pinned = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+                            pinned.copy_(rows, non_blocking=True)
+                            pending.append((pinned, host_rows))
+                    else:
+                        if use_direct:
+                            src = host_slice
+                        else:
+                            src = torch.empty(
+                                (n, host_rows.shape[1]), dtype=torch.uint8, pin_memory=True
+                            )
+                            copy_rows(host_plan, host_rows, src, self._pool)
+                        rows = src.to(self._stream.device, non_blocking=True)
+                        dev_rows.index_copy_(0, gpu_ids, rows)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                events.append(event)
+                finish.append(pending)
+        for layer, event in enumerate(events):
+            event.synchronize()
+            for pinned, host_rows in finish[layer]:
+                copy_rows(host_plan, pinned, host_rows, self._pool)
+            if on_layer is not None:
+                on_layer(layer)
+        main.wait_stream(self._stream)
+        return CopyResult(pages=n, bytes=moved, layers=layers)

@@ -1,0 +1,262 @@
+"""L1 device pools: POSIX shared memory on a CPU-only node, CUDA memory + IPC on a GPU.
+
+Each member pool is ``layers`` contiguous regions of ``[num_pages, bytes_per_page_per_layer]``
+(layer-major, as attention kernels expect). The daemon creates them (`build_device_pools`)
+and hands `PoolDescriptor`s to engines, which map them with `attach_device_pools`.
+
+Shared-memory segments are files under ``/dev/shm`` named
+``hicache-<instance>-<owner pid>-<member>``: the owner pid in the name lets a restarted
+daemon recognise (and unlink) the segments of one that was killed (`cleanup_stale_segments`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache.config import HicacheConfig, MemberSpec
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicache.tiers.base import DevicePools, PoolDescriptor, PoolKind
+from hicache.tiers.members import MemberTable
+from hicache.types import ComponentKind
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "hicache-"
+SEGMENT_MODE = 0o660  # like the control socket: the engine may run as another user of the group
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_.]+")
+_MEMBER_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def segment_name(instance: str, pid: int, member: str) -> str:
+    """The shm segment name of one member pool; validates both parts."""
+    if not _INSTANCE_RE.fullmatch(instance):
+        raise InvalidArgument(
+            f"daemon instance name {instance!r}: use letters, digits, '_' or '.' only"
+        )
+    if not _MEMBER_RE.fullmatch(member):
+        raise InvalidArgument(f"member name {member!r} cannot be part of a shm segment name")
+    return f"{SEGMENT_PREFIX}{instance}-{pid}-{member}"
+
+
+def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments of `instance` whose owner process is gone; return their names.
+
+    Raises `FailedPrecondition` when a live process (this one included) still owns
+    segments of `instance`: two daemons must not serve one instance.
+    """
+    prefix = f"{SEGMENT_PREFIX}{instance}-"
+    segment_name(instance, 0, "x")  # validates the instance name
+    removed: list[str] = []
+    for path in sorted(shm_dir.glob(f"{prefix}*")):
+        pid_text = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if _process_alive(pid):
+            raise FailedPrecondition(
+                f"daemon instance {instance!r} is already served by live pid {pid} "
+                f"(segment {shm_dir / path.name}); stop it or pick another instance name"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        removed.append(path.name)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed child that its parent has not reaped yet is a zombie: it owns nothing.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+class _Segment:
+    """One mapped shm file: created by the daemon or opened by an engine."""
+
+    def __init__(self, path: Path, size: int, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, SEGMENT_MODE)
+        except FileExistsError:
+            raise FailedPrecondition(f"shm segment {path} already exists") from None
+        except FileNotFoundError:
+            raise NotFound(f"shm segment {path} does not exist (daemon gone?)") from None
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise InvalidArgument(
+                    f"shm segment {path} holds {os.fstat(fd).st_size} bytes, "
+                    f"the descriptor needs {size}"
+                )
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                # Huge pages cut TLB misses of page gathers; tmpfs honours this only when
+                # /sys/kernel/mm/transparent_hugepage/shmem_enabled is 'advise' or more.
+                with contextlib.suppress(OSError):
+                    self.map.madvise(mmap.MADV_HUGEPAGE)
+        except BaseException:
+            if create:
+                path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.path = path
+
+    def close(self, unlink: bool) -> None:
+        if unlink:
+            self.path.unlink(missing_ok=True)
+        # NOTE: a view still alive somewhere keeps the mapping; it is then unmapped when
+        # the last view goes (the name is gone already, so nothing leaks past the process).
+        with contextlib.suppress(BufferError):
+            self.map.close()
+
+
+class ShmDevicePools(MemberTable, DevicePools):
+    """L1 pools in POSIX shared memory, one segment per member.
+
+    Build with `create` (or `build_device_pools`), which first cleans stale segments.
+    """
+
+    def __init__(
+        self,
+        instance: str,
+        members: Sequence[MemberSpec],
+        pages: Mapping[ComponentKind, int],
+        shm_dir: Path = SHM_DIR,
+    ) -> None:
+        MemberTable.__init__(self, members, pages, "l1")
+        self._instance = instance
+        self._segments: dict[str, _Segment] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+        try:
+            for spec in self.members:
+                n = self.num_pages(spec.component)
+                size = spec.layers * n * spec.bytes_per_page_per_layer
+                path = shm_dir / segment_name(instance, os.getpid(), spec.name)
+                seg = _Segment(path, size, create=True)
+                self._segments[spec.name] = seg
+                self._arrays[spec.name] = np.frombuffer(seg.map, dtype=np.uint8).reshape(
+                    spec.layers, n, spec.bytes_per_page_per_layer
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def create(
+        cls, cfg: HicacheConfig, instance: str, shm_dir: Path = SHM_DIR
+    ) -> ShmDevicePools:
+        """Clean stale segments of `instance`, then create the pools sized by `cfg`."""
+        cleanup_stale_segments(instance, shm_dir)
+        members = cfg.model.members
+        pages = {m.component: cfg.pages_for(m.component) for m in members}
+        return cls(instance, members, pages, shm_dir)
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+    @property
+    def instance(self) -> str:
+        return self._instance
+
+    def segment_paths(self) -> tuple[Path, ...]:
+        return tuple(seg.path for seg in self._segments.values())
+
+    def layer(self, member: str, layer: int) -> torch.Tensor:
+        self.checked_layer(member, layer)
+        return torch.from_numpy(self._arrays[member][layer])
+
+    def descriptors(self) -> tuple[PoolDescriptor, ...]:
+        out = []
+        for spec in self.members:
+            n = self.num_pages(spec.component)
+            out.append(
+                PoolDescriptor(
+                    member=spec.name,
+                    kind=PoolKind.SHM,
+                    handle=self._segments[spec.name].path.name.encode(),
+                    device=-1,
+                    num_pages=n,
+                    layer_stride_bytes=n * spec.bytes_per_page_per_layer,
+                    page_stride_bytes=spec.bytes_per_page_per_layer,
+                    layers=spec.layers,
+                    size_bytes=spec.layers * n * spec.bytes_per_page_per_layer,
+                )
+            )
+        return tuple(out)
+
+    def close(self) -> None:
+        self._arrays.clear()
+        for seg in self._segments.values():
+            seg.close(unlink=True)
+        self._segments.clear()
+
+
+def build_device_pools(
+    cfg: HicacheConfig, instance: str, use_cuda: bool | None = None, shm_dir: Path = SHM_DIR
+) -> DevicePools:
+    """The L1 pools of this node: CUDA when available (or `use_cuda`), shared memory else.
+
+    Raises `FailedPrecondition` if `use_cuda` is True without CUDA or if another live
+    daemon serves `instance`.
+    """
+    if use_cuda is None:
+        use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        from hicache.tiers.cuda import CudaDevicePools
+
+        return CudaDevicePools.create(cfg)
+    return ShmDevicePools.create(cfg, instance, shm_dir)
+
+
+def attach_device_pools(
+    descriptors: Sequence[PoolDescriptor], shm_dir: Path = SHM_DIR
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Engine side: map every pool; member -> per-layer uint8 tensors ``[num_pages, page]``.
+
+    SHM pools come back as CPU tensors over the shared mapping (the mapping lives as long
+    as any of them); CUDA IPC pools as CUDA tensors over the opened IPC allocation.
+    Raises `NotFound` for a segment that no longer exists and `InvalidArgument` for a
+    descriptor that does not fit its segment.
+    """
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for desc in descriptors:
+        if desc.kind is PoolKind.CUDA_IPC:
+            from hicache.tiers.cuda import open_ipc_pool
+
+            out[desc.member] = open_ipc_pool(desc)
+            continue
+        name = desc.handle.decode()
+        if "/" in name or not name.startswith(SEGMENT_PREFIX):
+            raise InvalidArgument(f"{desc.member}: {name!r} is not a hicache shm segment name")
+        end = desc.offset_bytes + desc.total_bytes
+        seg = _Segment(shm_dir / name, end, create=False)
+        flat = np.frombuffer(seg.map, dtype=np.uint8)
+        out[desc.member] = tuple(
+            torch.from_numpy(
+                flat[start : start + desc.num_pages * desc.page_stride_bytes].reshape(
+                    desc.num_pages, desc.page_stride_bytes
+                )
+            )
+            for start in (
+                desc.offset_bytes + layer * desc.layer_stride_bytes for layer in range(desc.layers)
+            )
+        )
+    return out
