@@ -112,9 +112,13 @@ def run_workload(
                 need = (len(prompt) // 4) // page_size - m.device_tokens // page_size
                 for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
                     want = 1 if kind is K.MAMBA else need
-                    if kind in kinds and len(pool.free) < want:
+                    # A component's own eviction first (SWA: out-of-window tombstones,
+                    # MAMBA: checkpoints), then whole leaves, which free every slot.
+                    for victim_kind in (kind, K.FULL):
+                        if kind not in kinds or len(pool.free) >= want:
+                            break
                         t0 = clock()
-                        ev = tree.evict(Tier.DEVICE, kind, want - len(pool.free))
+                        ev = tree.evict(Tier.DEVICE, victim_kind, want - len(pool.free))
                         evict_t.append(clock() - t0)
                         evictions += 1
                         full.give(ev.freed[K.FULL])

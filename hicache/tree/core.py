@@ -87,8 +87,12 @@ class HiRadixTree:
         else:
             def rank(n: Node) -> tuple[int, ...]:
                 return comp.rank(n, (n.last_access, 0))
+        ci = comp.index
         return EvictionQueue(
-            1 << (tier * self._ncomp + comp.index), rank, lambda n: comp.is_candidate(n, tier)
+            1 << (tier * self._ncomp + ci),
+            rank,
+            lambda n: comp.is_candidate(n, tier),
+            lambda n: n.lock[ci] > 0,
         )
 
     # ------------------------------------------------------------------ queries
@@ -258,7 +262,6 @@ class HiRadixTree:
         # Hot: runs twice per request over the whole path, hence the inlined counters.
         indices = self._path_idx
         locked = self._locked
-        queues = self._queues
         node: Node | None = end
         while node is not None and node.parent is not None:
             lk = node.lock
@@ -274,9 +277,6 @@ class HiRadixTree:
                         locked[1][ci] += n
                     if mask & 4:
                         locked[2][ci] += n
-                    if before + delta == 0:
-                        queues[0][ci].offer(node)
-                        queues[1][ci].offer(node)
             node = node.parent
 
     def _lock_slot(self, node: Node, comp: Component, delta: int) -> None:
@@ -291,9 +291,6 @@ class HiRadixTree:
             for tier in range(3):
                 if mask & (1 << tier):
                     self._locked[tier][ci] += pages
-            if after == 0:
-                for tier in range(PAGED_TIERS):
-                    self._queues[tier][ci].offer(node)
 
     # ------------------------------------------------------------------ insert
 
@@ -404,7 +401,8 @@ class HiRadixTree:
                 if comp.kind is ComponentKind.FULL or n:
                     raise InvalidArgument(f"pages[{comp.kind.value}]: missing ({n} pages expected)")
                 arr = _EMPTY
-            arr = np.asarray(arr)
+            # One private int64 copy per call: the tree never aliases the caller's array.
+            arr = np.array(arr, dtype=np.int64)
             if arr.ndim != 1 or len(arr) != n:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
@@ -429,7 +427,7 @@ class HiRadixTree:
             elif (ci == FULL_INDEX or node.res[FULL_INDEX * PAGED_TIERS] is not None) and bool(
                 (ids >= 0).all()
             ):
-                self._set(node, self.components[ci], Tier.DEVICE, ids.astype(np.int64))
+                self._set(node, self.components[ci], Tier.DEVICE, ids)
             else:
                 present = ids[ids >= 0]
                 if len(present):
@@ -450,7 +448,7 @@ class HiRadixTree:
             for ci, arr in provided.items():
                 ids = arr[lo - begin : hi - begin]
                 if int(ids[0]) >= 0:
-                    self._set(child, self.components[ci], Tier.DEVICE, ids.astype(np.int64))
+                    self._set(child, self.components[ci], Tier.DEVICE, ids)
             node = child
         return node
 
@@ -563,8 +561,12 @@ class HiRadixTree:
                 if parent.parent is not None:
                     for comp_above in self._others:  # it may now drop data a child covers
                         self._queues[tier][comp_above.index].offer(parent)
+            # Candidacy changes in this tier, and in another only where the slot is resident
+            # there (a second copy makes the other one evictable).
+            mask = node.mask[ci]
             for t in range(PAGED_TIERS):
-                self._queues[t][ci].offer(node)
+                if t == tier or mask & (1 << t):
+                    self._queues[t][ci].offer(node)
 
     def clear_resident(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray:
         """Forget `node`'s `kind` slot in `tier` (e.g. an L3 object found missing) and
@@ -648,6 +650,7 @@ class HiRadixTree:
             raise InvalidArgument("the L3 backend manages its own eviction")
         comp = self._by_kind[kind]
         queue = self._queues[tier][comp.index]
+        queue.unpark()
         freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
         evicted = victims = 0
         while evicted < num_pages:

@@ -6,8 +6,12 @@ at pop time a stale rank (the slot was used since) is re-pushed with its current
 a slot that is no longer a candidate is dropped. Ranks only grow between pushes, except
 when a session's references drop, which re-queues eagerly. Each pop is O(log n).
 
-`Node.qmask` has bit (tier * ncomp + ci) set while the slot has an entry queued, so a
-slot is never queued twice by the same event.
+`Node.qmask` has bit (tier * ncomp + ci) set while the slot has an entry queued (or
+parked), so a slot is never queued twice by the same event.
+
+Locks are checked at pop time, not tracked by the queue: a locked candidate popped during
+an eviction is parked and goes back into the heap at the next eviction. So unlocking,
+which happens on every node of every request's path, costs the queues nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +27,23 @@ CandidateFn = Callable[[Node], bool]
 
 
 class EvictionQueue:
-    def __init__(self, bit: int, rank: RankFn, is_candidate: CandidateFn) -> None:
+    def __init__(self, bit: int, rank: RankFn, is_candidate: CandidateFn, is_locked: CandidateFn) -> None:
         self._heap: list[tuple[tuple[int, ...], int, Node]] = []
+        self._parked: list[Node] = []
         self._seq = itertools.count()
         self._bit = bit
         self._rank = rank
         self._is_candidate = is_candidate
+        self._is_locked = is_locked
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._parked)
+
+    def unpark(self) -> None:
+        """Put the candidates that were locked at the last eviction back in the heap."""
+        parked, self._parked = self._parked, []
+        for node in parked:
+            heapq.heappush(self._heap, (self._rank(node), next(self._seq), node))
 
     def offer(self, node: Node, force: bool = False) -> None:
         """Queue `node` if it is a candidate and not queued yet (`force`: queue a second
@@ -51,6 +63,9 @@ class EvictionQueue:
             if not self._is_candidate(node):
                 node.qmask &= ~self._bit
                 continue
+            if self._is_locked(node):
+                self._parked.append(node)  # still queued: back in at the next eviction
+                continue
             now = self._rank(node)
             if now != rank:
                 heapq.heappush(heap, (now, next(self._seq), node))
@@ -61,6 +76,7 @@ class EvictionQueue:
 
     def compact(self) -> None:
         """Drop entries of slots that are no longer candidates (bounded memory)."""
+        self.unpark()
         live: list[tuple[tuple[int, ...], int, Node]] = []
         seen: set[int] = set()
         for entry in self._heap:

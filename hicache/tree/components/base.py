@@ -71,8 +71,8 @@ class Component(ABC):
 
     @abstractmethod
     def is_candidate(self, node: Node, tier: int) -> bool:
-        """May this component's slot at `node` be evicted from `tier` now? (resident,
-        unlocked and structurally allowed). Must be cheap: called when popping the queue."""
+        """Could this component's slot at `node` leave `tier`, locks aside? (resident and
+        structurally allowed; the queue checks locks when it pops). Must be cheap."""
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that must stay when its slot is evicted alone from

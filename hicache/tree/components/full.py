@@ -32,7 +32,7 @@ class FullComponent(Component):
     def is_candidate(self, node: Node, tier: int) -> bool:
         # A FULL slot goes leaf-first per tier. The last copy (no other paged tier holds
         # it) of a node with children may not go at all: that would cut the path.
-        if not node.mask[FULL_INDEX] & (1 << tier) or node.lock[FULL_INDEX]:
+        if not node.mask[FULL_INDEX] & (1 << tier):
             return False
         if node.nres[tier]:
             return False

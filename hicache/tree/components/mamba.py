@@ -30,4 +30,4 @@ class MambaComponent(Component):
 
     def is_candidate(self, node: Node, tier: int) -> bool:
         ci = self.index
-        return bool(node.mask[ci] & (1 << tier)) and not node.lock[ci]
+        return bool(node.mask[ci] & (1 << tier))

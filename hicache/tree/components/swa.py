@@ -31,13 +31,15 @@ class SwaComponent(Component):
 
     def split_breaks(self, provided: np.ndarray) -> list[int]:
         absent = provided < 0
+        if not absent.any():
+            return []
         return (np.flatnonzero(absent[1:] != absent[:-1]) + 1).tolist()
 
     def is_candidate(self, node: Node, tier: int) -> bool:
         # SWA goes alone only from nodes some child continues (in this tier): a leaf's
         # trailing window goes with its FULL slot, never alone.
         ci = self.index
-        return bool(node.mask[ci] & (1 << tier)) and not node.lock[ci] and node.nres[tier] > 0
+        return bool(node.mask[ci] & (1 << tier)) and node.nres[tier] > 0
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that lie inside the window of a boundary kept below
