@@ -1,0 +1,80 @@
+"""Fixtures that run real services (redis-server, mooncake_master) on free loopback ports.
+
+Session-scoped instances are shared by tests that only read and write; tests that stop or
+restart a service take a private one from a `*_factory` fixture. A test is skipped (never
+failed) only when the binary is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from hicache.bench.services import (
+    MooncakeMaster,
+    RedisServer,
+    Service,
+    find_binary,
+)
+
+
+def _binary(name: str) -> str:
+    path = find_binary(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def _mooncake_importable() -> None:
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(_binary("redis-server"))
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master() -> Iterator[MooncakeMaster]:
+    _mooncake_importable()
+    master = MooncakeMaster(_binary("mooncake_master"))
+    master.start()
+    yield master
+    master.close()
+
+
+@pytest.fixture
+def redis_factory() -> Iterator[Callable[[], RedisServer]]:
+    """Private redis-server instances (for stop/restart tests), stopped after the test."""
+    started: list[Service] = []
+
+    def make() -> RedisServer:
+        server = RedisServer(_binary("redis-server"))
+        started.append(server)
+        server.start()
+        return server
+
+    yield make
+    for service in started:
+        service.close()
+
+
+@pytest.fixture
+def mooncake_factory() -> Iterator[Callable[[], MooncakeMaster]]:
+    """Private mooncake_master instances (for stop/restart tests), stopped after the test."""
+    _mooncake_importable()
+    started: list[Service] = []
+
+    def make() -> MooncakeMaster:
+        master = MooncakeMaster(_binary("mooncake_master"))
+        started.append(master)
+        master.start()
+        return master
+
+    yield make
+    for service in started:
+        service.close()

@@ -1,0 +1,213 @@
+"""The protocol, scenario by scenario, against each real backend (file, Redis, Mooncake)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from storage_pages import Pool, keys, storage_config
+
+from hicache.bench.services import MooncakeMaster
+from hicache.config import FileStorageConfig
+from hicache.errors import InvalidArgument
+from hicache.tiers.storage import (
+    HEADER_BYTES,
+    BackendStats,
+    GetStatus,
+    PutStatus,
+    StorageBackend,
+    build_backend,
+)
+from hicache.types import StorageBackendName
+
+Corrupt = Callable[[StorageBackend, str], None]
+
+
+def _flip_file_byte(backend: StorageBackend, key: str) -> None:
+    path = backend.path_of(key)  # type: ignore[attr-defined]
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _overwrite_redis(backend: StorageBackend, key: str) -> None:
+    raw = backend.client  # type: ignore[attr-defined]
+    value = bytearray(raw.get(key))
+    value[HEADER_BYTES + 100] ^= 0xFF
+    raw.set(key, bytes(value))
+
+
+@dataclass
+class Store:
+    backend: StorageBackend
+    corrupt: Corrupt
+    base: BackendStats  # counters when the test began (the Mooncake client is shared)
+
+    def counted(self, name: str) -> int:
+        return int(getattr(self.backend.stats(), name)) - int(getattr(self.base, name))
+
+
+@pytest.fixture(scope="module")
+def mooncake_pair(
+    mooncake_master: MooncakeMaster,
+) -> Iterator[tuple[StorageBackend, StorageBackend]]:
+    """One backend and a second raw client, shared by the module: a Mooncake client takes
+    2-4 s to close, so a pair per test would dominate the suite."""
+    cfg = storage_config(
+        StorageBackendName.MOONCAKE,
+        mooncake_master=mooncake_master.master,
+        mooncake_metadata=mooncake_master.metadata_server,
+    )
+    backend, raw = build_backend(cfg), build_backend(cfg)
+    yield backend, raw
+    backend.close()
+    raw.close()
+
+
+@pytest.fixture(params=["file", "redis", "mooncake"])
+def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
+    kind = request.param
+    corrupt: Corrupt
+    if kind == "file":
+        cfg = storage_config(StorageBackendName.FILE, file=FileStorageConfig(path=str(tmp_path)))
+        backend, corrupt = build_backend(cfg), _flip_file_byte
+    elif kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        cfg = storage_config(StorageBackendName.REDIS, redis_url=server.url)
+        backend, corrupt = build_backend(cfg), _overwrite_redis
+    else:
+        backend, raw = request.getfixturevalue("mooncake_pair")
+
+        def corrupt(backend: StorageBackend, key: str) -> None:
+            # The second raw client puts junk (same size, one payload byte flipped) over it.
+            pool = Pool(1, seed=None).register(raw)
+            assert raw.get_into([key], pool.slots()) == [GetStatus.HIT]
+            raw.unregister_host_buffer(pool.memory.ctypes.data)
+            value = bytearray(pool.pages[0].tobytes())
+            value[HEADER_BYTES + 100] ^= 0xFF
+            assert raw.store.upsert(key, bytes(value)) == 0  # type: ignore[attr-defined]
+
+    before = set(backend.regions) if kind == "mooncake" else set()  # type: ignore[attr-defined]
+    yield Store(backend, corrupt, backend.stats())
+    if kind == "mooncake":
+        # Pools die with the test; their memory must leave the shared client first.
+        for start, _ in set(backend.regions) - before:  # type: ignore[attr-defined]
+            backend.unregister_host_buffer(start)
+    else:
+        backend.close()
+
+
+def test_round_trip_is_bit_exact_and_second_put_is_present(store: Store) -> None:
+    backend = store.backend
+    src, dst = Pool(20, seed=1).register(backend), Pool(20, seed=None).register(backend)
+    ks = keys(20)
+
+    assert backend.put_from(ks, src.slots()) == [PutStatus.STORED] * 20
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * 20
+    np.testing.assert_array_equal(dst.pages, src.pages)  # headers and payloads
+    assert backend.put_from(ks, src.slots()) == [PutStatus.PRESENT] * 20
+
+    counts = [store.counted(n) for n in ("stored", "present", "hits", "corrupt")]
+    assert counts == [20, 20, 20, 0]
+    assert store.counted("bytes_written") == store.counted("bytes_read") == 20 * src.slot
+
+
+def test_exists_prefix_stops_at_the_first_gap(store: Store) -> None:
+    backend = store.backend
+    pool = Pool(12).register(backend)
+    ks = keys(12)
+    present = [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # 9 is the gap, after a batch boundary (8)
+    backend.put_from([ks[i] for i in present], pool.slots(present))
+
+    assert backend.exists_prefix(ks) == 9
+    assert backend.exists_prefix(ks[10:]) == 2
+    assert backend.exists_prefix(ks[9:]) == 0
+    assert backend.exists_prefix([]) == 0
+
+
+def test_missing_keys_are_misses_and_others_still_hit(store: Store) -> None:
+    backend = store.backend
+    src, dst = Pool(3, seed=2).register(backend), Pool(3, seed=None).register(backend)
+    ks = keys(3)
+    backend.put_from([ks[0], ks[2]], src.slots([0, 2]))
+
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.MISS, GetStatus.HIT]
+    np.testing.assert_array_equal(dst.payload(2), src.payload(2))
+    assert store.counted("misses") == 1
+
+
+def test_object_corrupted_in_the_store_is_a_counted_miss_and_zeroed(
+    store: Store,
+) -> None:
+    backend, corrupt = store.backend, store.corrupt
+    src, dst = Pool(2, seed=3).register(backend), Pool(2, seed=4).register(backend)
+    ks = keys(2)
+    backend.put_from(ks, src.slots())
+    corrupt(backend, ks[1])
+
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT]
+    assert not dst.pages[1].any()  # no byte of the corrupt object survives
+    np.testing.assert_array_equal(dst.pages[0], src.pages[0])
+    assert store.counted("corrupt") == 1
+
+
+def test_wrong_sized_buffer_is_corrupt_not_a_partial_copy(store: Store) -> None:
+    backend = store.backend
+    src = Pool(1, seed=5).register(backend)
+    small, large = (
+        Pool(1, payload=1024, seed=6).register(backend),
+        Pool(1, payload=8192, seed=7).register(backend),
+    )
+    ks = keys(1)
+    backend.put_from(ks, src.slots())
+
+    assert backend.get_into(ks, small.slots()) == [GetStatus.CORRUPT]
+    assert backend.get_into(ks, large.slots()) == [GetStatus.CORRUPT]
+    assert not small.pages.any() and not large.pages.any()
+
+
+def test_duplicate_keys_in_a_put_batch_are_stored_once(store: Store) -> None:
+    backend = store.backend
+    pool = Pool(3).register(backend)
+    a, b = keys(2)
+    assert backend.put_from([a, a, b], pool.slots()) == [
+        PutStatus.STORED,
+        PutStatus.PRESENT,
+        PutStatus.STORED,
+    ]
+
+
+def test_delete_removes_and_counts_only_present_keys(store: Store) -> None:
+    backend = store.backend
+    pool = Pool(3).register(backend)
+    ks = keys(3)
+    backend.put_from(ks[:2], pool.slots([0, 1]))
+
+    assert backend.delete(ks) == 2
+    assert backend.exists_prefix(ks) == 0
+    assert backend.delete([]) == 0
+
+
+def test_empty_batches_and_bad_arguments(store: Store) -> None:
+    backend = store.backend
+    pool = Pool(2).register(backend)
+    assert backend.get_into([], []) == [] and backend.put_from([], []) == []
+    with pytest.raises(InvalidArgument):
+        backend.put_from(keys(1), pool.slots())
+    with pytest.raises(InvalidArgument):
+        backend.put_from(["caf\u00e9"], pool.slots([0]))
+    with pytest.raises(InvalidArgument):
+        backend.get_into(keys(1), [pool.pages[0].view(np.int8)])
+
+
+def test_deep_health_runs_a_canary_and_leaves_nothing_behind(store: Store) -> None:
+    backend = store.backend
+    health = backend.health(deep=True)
+    assert health.healthy, health.detail
+    assert "canary" in health.detail and health.latency_ms > 0
+    assert store.counted("stored") == 0  # the canary bypasses the counters

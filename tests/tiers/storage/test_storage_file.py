@@ -1,0 +1,169 @@
+"""File backend specifics: fan-out, capacity eviction order, atomic writes, errors, mounts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+from storage_pages import Pool, keys
+
+from hicache.config import FileStorageConfig
+from hicache.errors import BackendUnavailable
+from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
+from hicache.tiers.storage.file import FileBackend
+from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs, parse_mountinfo
+
+OBJECT = HEADER_BYTES + 4096
+
+
+def _backend(path: Path, capacity_objects: int | None = None) -> FileBackend:
+    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
+    backend = FileBackend(FileStorageConfig(path=str(path), capacity_gb=cap), timeout_s=2.0)
+    backend.start()
+    return backend
+
+
+def test_keys_with_slashes_map_to_fanned_out_digest_names(tmp_path: Path) -> None:
+    backend = _backend(tmp_path)
+    key = "ns:a/../b//c:full:tp0:v1"
+    path = Path(backend.path_of(key))
+    assert path.parent.parent.parent == tmp_path and len(path.name) == 32 + len(".kv")
+    backend.put_from([key], Pool(1).slots())
+    assert path.is_file() and path.stat().st_size == OBJECT
+
+
+def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    backend = _backend(tmp_path, capacity_objects=3)
+    pool = Pool(4)
+    k = keys(4)
+    backend.put_from(k[:3], pool.slots([0, 1, 2]))
+    assert backend.get_into([k[0]], Pool(1, seed=None).slots()) == [GetStatus.HIT]  # k0 is fresh
+
+    backend.put_from([k[3]], pool.slots([3]))  # over capacity: k1 is the oldest use
+    assert [backend.exists_prefix([key]) for key in k] == [1, 0, 1, 1]
+    assert backend.used_bytes == 3 * OBJECT
+
+
+def test_index_is_rebuilt_from_mtimes_at_start(tmp_path: Path) -> None:
+    first = _backend(tmp_path)
+    k = keys(3)
+    first.put_from(k, Pool(3).slots())
+    for age, key in zip((10, 30, 20), k, strict=True):  # k1 oldest, then k2, then k0
+        os.utime(first.path_of(key), (1e9 - age, 1e9 - age))
+
+    second = _backend(tmp_path, capacity_objects=3)
+    assert second.used_bytes == 3 * OBJECT
+    second.put_from(keys(1), Pool(1).slots())
+    assert [second.exists_prefix([key]) for key in k] == [1, 0, 1]
+
+
+def test_a_write_is_invisible_until_renamed_and_a_failed_one_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = _backend(tmp_path)
+    key = keys(1)[0]
+    seen: list[int] = []
+    real_replace = os.replace
+
+    def replace_after_looking(src: str, dst: str) -> None:
+        seen.append(backend._exists_sync([key])[0])  # mid-write: the object is not there
+        seen.append(os.path.getsize(src))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_looking)
+    assert backend.put_from([key], Pool(1).slots()) == [PutStatus.STORED]
+    assert seen == [False, OBJECT]
+
+    def failing_replace(src: str, dst: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(BackendUnavailable, match="EIO"):
+        backend.put_from(keys(1), Pool(1).slots())
+    leftovers = [
+        p
+        for p in tmp_path.rglob("*")
+        if p.is_file() and not p.name.startswith(Path(backend.path_of(key)).name)
+    ]
+    assert leftovers == []
+
+
+def test_permission_denied_is_backend_unavailable(tmp_path: Path) -> None:
+    """A read-only folder, written by an unprivileged process (root ignores permissions,
+    so a forked child drops to `nobody` first). Under /tmp: pytest's tmp_path is private."""
+    store = Path(tempfile.mkdtemp(prefix="hicache-ro-"))
+    store.chmod(0o555)
+    # The same calls once here, so that the child (which may not read root's interpreter
+    # files) imports nothing lazily.
+    _backend(tmp_path).put_from(keys(1), Pool(1).slots())
+    _backend(tmp_path).health(deep=True)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            backend = _backend(store)
+            try:
+                backend.put_from(keys(1), Pool(1).slots())
+                report = "stored"
+            except BackendUnavailable as e:
+                report = f"unavailable {e}"
+            report += f"; healthy {backend.health(deep=True).healthy}"
+            os.write(write_end, report.encode())
+            code = 0
+        except BaseException as e:
+            os.write(write_end, repr(e).encode())
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        report = f.read()
+    _, status = os.waitpid(pid, 0)
+    store.rmdir()
+    assert os.waitstatus_to_exitcode(status) == 0, report
+    assert report.startswith("unavailable file: EACCES"), report
+    assert report.endswith("healthy False"), report
+
+
+def test_warns_when_the_directory_is_not_on_a_shared_mount(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hicache.tiers.storage.file"):
+        _backend(tmp_path)
+    fstype = fs_type_of(str(tmp_path))
+    warned = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "NOT shared" in r.message
+    ]
+    assert bool(warned) == (not is_shared_fs(fstype))
+
+
+MOUNTINFO = textwrap.dedent("""\
+    22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+    30 22 0:40 / /mnt/shared rw,relatime shared:2 - nfs4 server:/export rw
+    31 30 0:41 / /mnt/shared/local\\040dir rw - tmpfs tmpfs rw
+    32 22 0:42 / /mnt/fuse rw - fuse.juicefs JuiceFS:vol rw
+""")
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype", "shared"),
+    [
+        ("/var/cache/hicache", "ext4", False),
+        ("/mnt/shared/hicache", "nfs4", True),
+        ("/mnt/shared/local dir/x", "tmpfs", False),
+        ("/mnt/fuse/kv", "fuse.juicefs", True),
+    ],
+)
+def test_mount_type_is_taken_from_the_longest_mount_point(
+    path: str, fstype: str, shared: bool
+) -> None:
+    assert fs_type_of(path, MOUNTINFO) == fstype
+    assert is_shared_fs(fstype) is shared
+    assert len(parse_mountinfo(MOUNTINFO)) == 4

@@ -1,0 +1,397 @@
+"""The L3 storage protocol: one small contract that every backend (file, Mooncake, Redis) keeps.
+
+An L3 object is ONE buffer: `HEADER_BYTES` of header (integrity.py) followed by the payload.
+Buffers are `numpy.ndarray` views (uint8, 1-D, C-contiguous) into the L2 host pool, which
+reserves the header area in every slot. `StorageBackend` implements the public methods once
+(validation, duplicate keys, header writing and checking, counters) and asks each backend for
+four raw operations (`_exists`, `_read_into`, `_write_from`, `_remove`) plus its probes.
+
+Failure model:
+- A whole call that cannot reach the store (service down, timeout, disk full, permission)
+  raises `BackendUnavailable`; nothing is retried here (the controller owns backoff).
+- Per-key outcomes are enums (`GetStatus`, `PutStatus`), never bare bools.
+- A corrupt or wrong-sized object is `GetStatus.CORRUPT`: counted, and the WHOLE buffer
+  (header and payload) is zeroed, so no byte of it can be served by mistake.
+- NOTE: after a *timed-out* `get_into` the store may still write into the buffers later (the
+  transfer runs on in the client library). Callers must treat those buffers as owned by the
+  backend until `stats().stuck_calls` drops back to zero, or simply not reuse them before
+  `close()`. Successful calls never touch the buffers afterwards.
+
+Thread safety: every public method may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import dataclasses
+import enum
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
+
+import numpy as np
+
+from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
+from hicache.tiers.storage.integrity import HEADER_BYTES, check_object, write_header
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+# Batches are cut into chunks of this many objects, so that the header work of one chunk
+# (checksums: ~7 µs per 64 KiB object here) overlaps the I/O of the next. Shared by all
+# backends: the hooks release the GIL while they wait (sockets, files, Mooncake calls).
+PIPELINE_CHUNK = 64
+_PIPELINE = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="l3-pipeline")
+
+MISSING = -1  # `_read_into` result for a key that is not in the store
+CANARY_PAYLOAD = 4096
+
+
+class GetStatus(enum.Enum):
+    HIT = "hit"  # the buffer holds the verified object
+    MISS = "miss"  # no such key; the buffer content is unspecified
+    CORRUPT = "corrupt"  # header/checksum/size mismatch; the buffer was zeroed
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"  # written by this call
+    PRESENT = "present"  # already in the store (or earlier in the same batch); not rewritten
+    FAILED = "failed"  # the store refused this key (e.g. out of space); others may be stored
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    name: str
+    healthy: bool
+    latency_ms: float
+    detail: str
+    capacity_bytes: int | None = None
+    used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    name: str
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    stored: int = 0
+    present: int = 0
+    put_failed: int = 0
+    deleted: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    unavailable: int = 0  # calls that raised BackendUnavailable
+    stuck_calls: int = 0  # timed-out calls still running in the client library
+
+
+@dataclass
+class _Counters:
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    stored: int = 0
+    present: int = 0
+    put_failed: int = 0
+    deleted: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    unavailable: int = 0
+
+
+class StorageBackend(abc.ABC):
+    """An L3 store. Build with the registry, then `start()`; `close()` when done."""
+
+    name: str = "abstract"
+    pipeline_chunk: int = PIPELINE_CHUNK
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._counters = _Counters()
+        self._counter_lock = threading.Lock()
+        # Two canary objects for deep health checks; backends that need registered memory
+        # (Mooncake) register this array in `start()`.
+        self._canary_area = np.zeros(2 * (HEADER_BYTES + CANARY_PAYLOAD), dtype=np.uint8)
+        self._canary_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public contract
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Connect / prepare the store. Raises `BackendUnavailable` within `timeout_s` when
+        the store cannot be reached. Call once, before anything else."""
+
+    def register_host_buffer(self, address: int, size: int) -> None:
+        """Announce a host memory region (the L2 pool) that buffers will live in. Backends
+        that transfer zero-copy (Mooncake) register it with their client; the others ignore
+        it. Idempotent for the same region. Raises `BackendUnavailable` if the client refuses."""
+        return None
+
+    def unregister_host_buffer(self, address: int) -> None:
+        """Withdraw a region given to `register_host_buffer` before its memory is freed.
+        Unknown addresses are ignored. Never raises for a dead store."""
+        return None
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        """Length of the run of keys present in the store, counted from `keys[0]`.
+
+        A gap ends the run: for present/absent/present the answer is 1. Presence is not
+        verified content (a corrupt object counts as present; `get_into` will miss it).
+        Empty `keys` → 0. Duplicates are checked like any key. Mutates nothing.
+        """
+        _check_keys(keys)
+        if not keys:
+            return 0
+        present = self._guarded(self._exists, keys)
+        run = 0
+        for hit in present:
+            if not hit:
+                break
+            run += 1
+        return run
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[GetStatus]:
+        """Read each key's object into its buffer and verify it; one status per key.
+
+        Writes into every buffer (HIT: the object; CORRUPT: zeros; MISS: unspecified).
+        Duplicate keys are each read into their own buffer. Empty batch → [].
+        Raises `InvalidArgument` (mismatched lengths, bad buffers, non-ASCII keys) or
+        `BackendUnavailable` (then no status is known and buffers are unspecified).
+        """
+        _check_batch(keys, buffers)
+        if not keys:
+            return []
+        out: list[GetStatus] = []
+        hits = corrupt = nbytes = 0
+
+        def verify(lo: int, sizes: list[int]) -> None:
+            nonlocal hits, corrupt, nbytes
+            for key, buf, size in zip(keys[lo:], buffers[lo:], sizes, strict=False):
+                if size == MISSING:
+                    out.append(GetStatus.MISS)
+                    continue
+                try:
+                    check_object(buf, key, size)
+                except ObjectCorrupt:
+                    buf[:] = 0
+                    corrupt += 1
+                    out.append(GetStatus.CORRUPT)
+                    continue
+                hits += 1
+                nbytes += buf.nbytes
+                out.append(GetStatus.HIT)
+
+        # Pipelined: chunk k+1 is in flight while chunk k is verified.
+        previous: tuple[int, list[int]] | None = None
+        chunks = self._chunks(len(keys))
+        for lo, hi in chunks:
+            future = self._submit(len(chunks) == 1, self._read_into, keys[lo:hi], buffers[lo:hi])
+            if previous is not None:
+                verify(*previous)
+            previous = (lo, future.result())
+        if previous is not None:
+            verify(*previous)
+        with self._counter_lock:
+            c = self._counters
+            c.gets += len(keys)
+            c.hits += hits
+            c.corrupt += corrupt
+            c.misses += len(keys) - hits - corrupt
+            c.bytes_read += nbytes
+        return out
+
+    def put_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        """Store each buffer under its key; one status per key.
+
+        Writes the header into `buf[:HEADER_BYTES]` of each buffer (the payload is only
+        read), then stores header + payload as one object. Keys already present are not
+        rewritten (objects are content addressed, so the stored bytes are the same).
+        A key repeated in the batch is stored once; later copies report PRESENT.
+        Empty batch → []. Raises `InvalidArgument` or `BackendUnavailable` (then some keys
+        may have been stored; `exists_prefix` tells which).
+        """
+        _check_batch(keys, buffers)
+        if not keys:
+            return []
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        unique = list(first.values())
+        results: list[PutStatus] = []
+        # Pipelined: headers of chunk k+1 are written while chunk k is in flight.
+        future: cf.Future[list[PutStatus]] | None = None
+        chunks = self._chunks(len(unique))
+        for lo, hi in chunks:
+            chunk = unique[lo:hi]
+            for i in chunk:
+                write_header(buffers[i], keys[i])
+            if future is not None:
+                results.extend(future.result())
+            future = self._submit(
+                len(chunks) == 1,
+                self._write_from,
+                [keys[i] for i in chunk],
+                [buffers[i] for i in chunk],
+            )
+        if future is not None:
+            results.extend(future.result())
+        by_index = dict(zip(unique, results, strict=True))
+        out = [by_index.get(i, PutStatus.PRESENT) for i in range(len(keys))]
+        with self._counter_lock:
+            c = self._counters
+            c.puts += len(keys)
+            for i, status in by_index.items():
+                if status is PutStatus.STORED:
+                    c.stored += 1
+                    c.bytes_written += buffers[i].nbytes
+                elif status is PutStatus.FAILED:
+                    c.put_failed += 1
+            c.present += sum(1 for s in out if s is PutStatus.PRESENT)
+        return out
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove keys; returns how many were present and removed. Absent keys are fine.
+        Empty `keys` → 0. Raises `BackendUnavailable`."""
+        _check_keys(keys)
+        if not keys:
+            return 0
+        removed = self._guarded(self._remove, list(dict.fromkeys(keys)))
+        with self._counter_lock:
+            self._counters.deleted += removed
+        return removed
+
+    def health(self, deep: bool = False) -> BackendHealth:
+        """Probe the store; never raises for an unreachable store (reports it instead).
+
+        Shallow: the client's own liveness check. Deep: also a canary object written, read
+        back, verified and deleted (under a key unique to this process).
+        """
+        t0 = time.perf_counter()
+        try:
+            detail, capacity, used = self._probe()
+            if deep:
+                self._canary_round_trip()
+                detail += "; canary write/read/verify/delete ok"
+            healthy = True
+        except (BackendUnavailable, ObjectCorrupt) as e:
+            healthy, detail, capacity, used = False, str(e), None, None
+        latency_ms = (time.perf_counter() - t0) * 1e3
+        return BackendHealth(self.name, healthy, latency_ms, detail, capacity, used)
+
+    def stats(self) -> BackendStats:
+        """A snapshot of the counters since `start()`."""
+        with self._counter_lock:
+            fields = dataclasses.asdict(self._counters)
+        return BackendStats(name=self.name, stuck_calls=self._stuck_calls(), **fields)
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections and threads. Idempotent; never raises for a dead store."""
+
+    # ------------------------------------------------------------------ backend hooks
+
+    @abc.abstractmethod
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key (may stop early after the first absent one and return a
+        shorter list). Raises `BackendUnavailable`."""
+
+    @abc.abstractmethod
+    def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        """Copy each stored object into its buffer; per key the stored object's size in
+        bytes, or MISSING. A stored object of another size than the buffer must not be
+        written past the buffer (report its size; the caller calls it corrupt)."""
+
+    @abc.abstractmethod
+    def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        """Store each whole buffer (header already filled) under its key, unique keys."""
+
+    @abc.abstractmethod
+    def _remove(self, keys: Sequence[str]) -> int:
+        """Remove unique keys; how many existed."""
+
+    @abc.abstractmethod
+    def _probe(self) -> tuple[str, int | None, int | None]:
+        """Liveness: (detail, capacity_bytes, used_bytes). Raises `BackendUnavailable`."""
+
+    def _stuck_calls(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        step = self.pipeline_chunk
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    def _submit(
+        self, inline: bool, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
+    ) -> cf.Future[_R]:
+        """Run a hook on the pipeline pool, or here when there is nothing to overlap. The
+        hooks bound their own time (storage.timeout_s), so waiting on the future is bounded."""
+        if not inline:
+            return _PIPELINE.submit(lambda: self._guarded(fn, *args, **kwargs))
+        done: cf.Future[_R] = cf.Future()
+        try:
+            done.set_result(self._guarded(fn, *args, **kwargs))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+    def _guarded(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except BackendUnavailable:
+            with self._counter_lock:
+                self._counters.unavailable += 1
+            raise
+
+    def _canary_round_trip(self) -> None:
+        key = f"hicache-canary/{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+        size = HEADER_BYTES + CANARY_PAYLOAD
+        with self._canary_lock:
+            src, dst = self._canary_area[:size], self._canary_area[size:]
+            src[HEADER_BYTES:] = np.frombuffer(os.urandom(CANARY_PAYLOAD), dtype=np.uint8)
+            dst[:] = 0
+            write_header(src, key)
+            try:
+                if self._write_from([key], [src]) != [PutStatus.STORED]:
+                    raise BackendUnavailable(f"{self.name}: canary write refused")
+                (got,) = self._read_into([key], [dst])
+                if got == MISSING:
+                    raise BackendUnavailable(f"{self.name}: canary written but not found")
+                check_object(dst, key, got)
+            finally:
+                self._remove([key])
+
+
+def _check_keys(keys: Sequence[str]) -> None:
+    for key in keys:
+        if not isinstance(key, str) or not key or not key.isascii():
+            raise InvalidArgument(f"L3 keys must be non-empty ASCII strings, got {key!r}")
+
+
+def _check_batch(keys: Sequence[str], buffers: Sequence[np.ndarray]) -> None:
+    if len(keys) != len(buffers):
+        raise InvalidArgument(f"{len(keys)} keys but {len(buffers)} buffers")
+    _check_keys(keys)
+    for buf in buffers:
+        if not (
+            isinstance(buf, np.ndarray)
+            and buf.dtype == np.uint8
+            and buf.ndim == 1
+            and buf.flags.c_contiguous
+            and buf.nbytes > HEADER_BYTES
+        ):
+            raise InvalidArgument(
+                "L3 buffers must be 1-D C-contiguous uint8 arrays larger than "
+                f"{HEADER_BYTES} header bytes"
+            )

@@ -1,0 +1,286 @@
+"""`file` backend: one file per object in a directory, fanned out by key digest.
+
+Layout: `<root>/<h[0:2]>/<h[2:4]>/<h>.kv`, where `h` is the hex key digest (integrity.py),
+so any ASCII key maps to a safe name and no folder holds more than ~1/65536 of the objects.
+Writes go to a temp file in the same folder, then `os.replace` (atomic: readers see the
+whole object or nothing; `fsync` before the rename when `storage.file.fsync`).
+
+Capacity (optional `capacity_gb`): an in-memory LRU index of this node's view (rebuilt from
+file mtimes at start, updated on every put and hit) evicts least-recently-used files before a
+write would pass the capacity. Other nodes sharing the directory keep their own index; a file
+another node removed is simply a miss here.
+
+Every OSError other than "no such file" (ENOSPC, EACCES, EROFS, EIO, ...) raises
+`BackendUnavailable`, as does a call that exceeds `storage.timeout_s` (a hung NFS mount).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.config import FileStorageConfig, GiB
+from hicache.errors import BackendUnavailable
+from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
+from hicache.tiers.storage.bounded import BoundedCaller
+from hicache.tiers.storage.integrity import key_digest
+from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+TEMP_SUFFIX = ".tmp"
+STALE_TEMP_S = 600.0
+
+
+class FileBackend(StorageBackend):
+    name = "file"
+
+    def __init__(self, cfg: FileStorageConfig, timeout_s: float) -> None:
+        super().__init__(timeout_s)
+        self.root = os.path.abspath(cfg.path)
+        self.fsync = cfg.fsync
+        self.capacity_bytes = None if cfg.capacity_gb is None else int(cfg.capacity_gb * GiB)
+        self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
+        self._used = 0
+        self._lock = threading.Lock()
+        self._dirs: set[str] = set()
+        self._caller = BoundedCaller(self.name, timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise _unavailable(self.root, e) from None
+        fstype = fs_type_of(self.root)
+        if is_shared_fs(fstype):
+            log.info("L3 file backend at %s (%s, shared mount)", self.root, fstype)
+        else:
+            log.warning(
+                "L3 file backend at %s is on a %s filesystem, which is NOT shared between "
+                "nodes: other nodes will not see these objects (mount NFS/Lustre/CephFS/... "
+                "there for a cluster-wide L3)",
+                self.root,
+                fstype,
+            )
+        self._caller.call_within(max(self.timeout_s, 60.0), self._rebuild_index)
+        log.info(
+            "L3 file backend: %d objects, %d bytes, capacity %s, fsync %s",
+            len(self._lru),
+            self._used,
+            self.capacity_bytes,
+            self.fsync,
+        )
+
+    def close(self) -> None:
+        self._caller.close()
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for folder, _, names in os.walk(self.root):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    st = os.stat(path)
+                    if name.endswith(TEMP_SUFFIX) and now - st.st_mtime > STALE_TEMP_S:
+                        os.unlink(path)  # left by a writer that died
+                    elif name.endswith(SUFFIX):
+                        found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
+                except FileNotFoundError:
+                    continue
+        found.sort()
+        with self._lock:
+            self._lru = OrderedDict((h, size) for _, h, size in found)
+            self._used = sum(size for _, _, size in found)
+            victims = self._evict_locked(0)
+        self._unlink(victims)
+
+    # ------------------------------------------------------------------ paths and index
+
+    def path_of(self, key: str) -> str:
+        """Where `key`'s object lives (tests use it to corrupt objects)."""
+        h = key_digest(key).hex()
+        return os.path.join(self.root, h[0:2], h[2:4], h + SUFFIX)
+
+    def _touch(self, h: str, size: int) -> list[str]:
+        """Record a use of object `h`; returns digests to evict to stay within capacity."""
+        with self._lock:
+            old = self._lru.pop(h, None)
+            self._used += size - (old or 0)
+            self._lru[h] = size
+            return self._evict_locked(0)
+
+    def _evict_locked(self, incoming: int) -> list[str]:
+        if self.capacity_bytes is None:
+            return []
+        victims: list[str] = []
+        while self._lru and self._used + incoming > self.capacity_bytes:
+            h, size = self._lru.popitem(last=False)
+            self._used -= size
+            victims.append(h)
+        return victims
+
+    def _unlink(self, digests: Sequence[str]) -> None:
+        for h in digests:
+            try:
+                os.unlink(os.path.join(self.root, h[0:2], h[2:4], h + SUFFIX))
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise _unavailable(self.root, e) from None
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._caller.call(self._exists_sync, keys)
+
+    def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
+        out: list[bool] = []
+        for key in keys:
+            present = os.path.exists(self.path_of(key))
+            out.append(present)
+            if not present:
+                break
+        return out
+
+    def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        return self._caller.call(self._read_sync, keys, buffers)
+
+    def _read_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        out: list[int] = []
+        for key, buf in zip(keys, buffers, strict=True):
+            path = self.path_of(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                out.append(MISSING)
+                continue
+            except OSError as e:
+                raise _unavailable(path, e) from None
+            try:
+                size = _read_object(fd, buf.data)
+            except OSError as e:
+                raise _unavailable(path, e) from None
+            finally:
+                os.close(fd)
+            out.append(size)
+            if size == buf.nbytes:
+                self._unlink(self._touch(os.path.basename(path)[: -len(SUFFIX)], size))
+        return out
+
+    def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        return self._caller.call(self._write_sync, keys, buffers)
+
+    def _write_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        out: list[PutStatus] = []
+        for key, buf in zip(keys, buffers, strict=True):
+            path = self.path_of(key)
+            if os.path.exists(path):
+                out.append(PutStatus.PRESENT)
+                continue
+            folder = os.path.dirname(path)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+            try:
+                if folder not in self._dirs:
+                    os.makedirs(folder, exist_ok=True)
+                    self._dirs.add(folder)
+                if self.capacity_bytes is not None:
+                    with self._lock:
+                        victims = self._evict_locked(buf.nbytes)
+                    self._unlink(victims)
+                self._write_file(tmp, path, buf.data)
+            except OSError as e:
+                _discard(tmp)
+                raise _unavailable(path, e) from None
+            self._unlink(self._touch(os.path.basename(path)[: -len(SUFFIX)], buf.nbytes))
+            out.append(PutStatus.STORED)
+        return out
+
+    def _write_file(self, tmp: str, path: str, data: memoryview) -> None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def _remove(self, keys: Sequence[str]) -> int:
+        return self._caller.call(self._remove_sync, keys)
+
+    def _remove_sync(self, keys: Sequence[str]) -> int:
+        removed = 0
+        for key in keys:
+            path = self.path_of(key)
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise _unavailable(path, e) from None
+            with self._lock:
+                self._used -= self._lru.pop(os.path.basename(path)[: -len(SUFFIX)], 0)
+        return removed
+
+    def _probe(self) -> tuple[str, int | None, int | None]:
+        def probe() -> tuple[str, int | None, int | None]:
+            st = os.statvfs(self.root)
+            if not os.access(self.root, os.W_OK):
+                raise BackendUnavailable(f"file: {self.root} is not writable")
+            free = st.f_bavail * st.f_frsize
+            capacity = self.capacity_bytes or st.f_blocks * st.f_frsize
+            return f"{self.root} ({fs_type_of(self.root)}, {free} bytes free)", capacity, self._used
+
+        try:
+            return self._caller.call(probe)
+        except OSError as e:
+            raise _unavailable(self.root, e) from None
+
+    def _stuck_calls(self) -> int:
+        return self._caller.stuck
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+
+def _read_object(fd: int, view: memoryview) -> int:
+    """Read the file into `view`; returns the file size when it fits (one syscall in the
+    common case: the extra byte detects a file larger than the buffer without an fstat)."""
+    got = 0
+    extra = bytearray(1)
+    while got < len(view):
+        n = os.readv(fd, [view[got:], extra])
+        if n == 0:
+            return got
+        got += n
+    if got > len(view):
+        return os.fstat(fd).st_size
+    return got + os.readv(fd, [extra])
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        return
+
+
+def _unavailable(path: str, e: OSError) -> BackendUnavailable:
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return BackendUnavailable(f"file: {code} on {path}: {e.strerror}")

@@ -1,0 +1,241 @@
+"""`mooncake` backend: a `MooncakeDistributedStore` client, zero-copy from/to L2 pages.
+
+The L2 pool registers its memory once (`register_host_buffer`); every get/put then passes
+addresses, so the transfer engine moves bytes straight between the pool and the segments.
+Objects live in the memory segments that clients mount (`global_segment_size` of this
+node's memory joins the cluster pool); an object stored in a node's segment vanishes with
+that node.
+
+Return codes of the client, measured here (0.3.13.post1, TCP, master on loopback):
+- `batch_get_into`: bytes read (> 0); -704 OBJECT_NOT_FOUND for a missing key; -600
+  INVALID_PARAMS when the buffer is smaller than the object (nothing copied); a larger buffer
+  is fine and returns the object size.
+- `batch_put_from` on a key already present returns 0 and keeps the old value; so this
+  backend asks `batch_is_exist` first and reports PRESENT without moving the bytes again.
+- `remove` right after an access returns -706 OBJECT_HAS_LEASE (lease ~5 s); `delete` uses
+  `force=True` (safe: a reader racing a delete gets a miss or a checksum failure, never
+  wrong bytes).
+- Master killed: `health_check()` still returns 0 for a while (it answers from cached
+  state), batch calls return -900 RPC_FAIL at once or block 4-13 s first; `setup()` against
+  a missing master blocks ~90 s; `close()` blocks ~7 s. All calls release the GIL, so they
+  run in `BoundedCaller` threads under `storage.timeout_s`.
+- Master restarted on the same port: the client reconnects by itself within ~1 s (the first
+  put may return -200 NO_AVAILABLE_HANDLE before its segment is mounted again); objects
+  held only in the old master's metadata are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hicache.config import MooncakeStorageConfig
+from hicache.errors import BackendUnavailable, InvalidArgument
+from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
+from hicache.tiers.storage.bounded import BoundedCaller
+
+log = logging.getLogger(__name__)
+
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+INVALID_PARAMS = -600
+NO_AVAILABLE_HANDLE = -200
+# Codes that mean the master (or the transport to it) is gone, not a per-key problem.
+UNREACHABLE = frozenset({-900, -901, -1010})
+PROBE_KEY = "hicache-probe/does-not-exist"
+
+
+class MooncakeBackend(StorageBackend):
+    name = "mooncake"
+    # No chunking: measured here, cutting a 256-object batch into 128/64/32-object calls
+    # lowered throughput (0.71x -> 0.58/0.49/0.39x of raw puts): each batch call has a fixed
+    # cost, and on TCP the transfer engine's copies already keep the cores busy, so there is
+    # no idle CPU for the checksums to hide in.
+    pipeline_chunk = 1 << 20
+
+    def __init__(self, cfg: MooncakeStorageConfig, timeout_s: float) -> None:
+        super().__init__(timeout_s)
+        self.cfg = cfg
+        self._store: Any = None
+        self._regions: list[tuple[int, int]] = []  # registered [start, end)
+        self._caller = BoundedCaller(self.name, timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise BackendUnavailable(
+                "mooncake: cannot import mooncake.store; install the "
+                "'mooncake-transfer-engine-non-cuda' wheel (or the CUDA build on a GPU node) "
+                f"and Debian's libibverbs1 librdmacm1 libnuma1 ({e})"
+            ) from None
+        c = self.cfg
+        log.info(
+            "L3 mooncake backend: master=%s metadata_server=%s protocol=%s device=%r "
+            "local_hostname=%s global_segment_size=%d local_buffer_size=%d timeout_s=%g",
+            c.master,
+            c.metadata_server,
+            c.protocol,
+            c.device,
+            c.local_hostname,
+            c.global_segment_size,
+            c.local_buffer_size,
+            self.timeout_s,
+        )
+        store = MooncakeDistributedStore()
+        rc = self._caller.call(
+            store.setup,
+            c.local_hostname,
+            c.metadata_server,
+            c.global_segment_size,
+            c.local_buffer_size,
+            c.protocol,
+            c.device,
+            c.master,
+        )
+        if rc != 0:
+            raise BackendUnavailable(f"mooncake: setup() returned {rc} (master {c.master})")
+        self._store = store
+        self.register_host_buffer(self._canary_area.ctypes.data, self._canary_area.nbytes)
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                self._caller.call(store.close)
+            except BackendUnavailable as e:
+                log.warning("mooncake: close did not finish: %s", e)
+        self._caller.close()
+
+    def register_host_buffer(self, address: int, size: int) -> None:
+        if (address, address + size) in self._regions:
+            return
+        rc = self._caller.call(self.store.register_buffer, address, size)
+        if rc != 0:
+            raise BackendUnavailable(
+                f"mooncake: register_buffer({address:#x}, {size}) returned {rc}"
+            )
+        self._regions.append((address, address + size))
+
+    def unregister_host_buffer(self, address: int) -> None:
+        region = next((r for r in self._regions if r[0] == address), None)
+        if region is None:
+            return
+        self._regions.remove(region)
+        try:
+            rc = self._caller.call(self.store.unregister_buffer, address)
+        except BackendUnavailable as e:
+            log.warning("mooncake: unregister_buffer(%#x) did not answer: %s", address, e)
+            return
+        if rc != 0:
+            log.warning("mooncake: unregister_buffer(%#x) returned %d", address, rc)
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        """Registered host memory, [start, end) pairs."""
+        return list(self._regions)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            raise BackendUnavailable("mooncake: backend not started or closed")
+        return self._store
+
+    def _addresses(self, buffers: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
+        addrs, sizes = [], []
+        for buf in buffers:
+            start = buf.ctypes.data
+            end = start + buf.nbytes
+            if not any(lo <= start and end <= hi for lo, hi in self._regions):
+                raise InvalidArgument(
+                    "mooncake: buffer outside every registered region; call "
+                    "register_host_buffer(pool_address, pool_size) first"
+                )
+            addrs.append(start)
+            sizes.append(buf.nbytes)
+        return addrs, sizes
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        codes = self._caller.call(self.store.batch_is_exist, list(keys))
+        if any(code < 0 for code in codes):
+            raise BackendUnavailable(f"mooncake: batch_is_exist failed ({_first_error(codes)})")
+        return [code == 1 for code in codes]
+
+    def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        addrs, sizes = self._addresses(buffers)
+        codes = self._caller.call(self.store.batch_get_into, list(keys), addrs, sizes)
+        _raise_if_unreachable("batch_get_into", codes)
+        out: list[int] = []
+        for key, code in zip(keys, codes, strict=True):
+            if code >= 0:
+                out.append(code)
+            elif code == INVALID_PARAMS:
+                # The stored object is larger than the buffer: report its real size so that
+                # the caller counts it as corrupt.
+                size = self._caller.call(self.store.get_size, key)
+                out.append(size if size >= 0 else MISSING)
+            else:
+                if code != OBJECT_NOT_FOUND:
+                    log.debug("mooncake: get %s returned %d; a miss", key, code)
+                out.append(MISSING)
+        return out
+
+    def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        addrs, sizes = self._addresses(buffers)
+        present = self._exists(keys)
+        todo = [i for i, p in enumerate(present) if not p]
+        out = [PutStatus.PRESENT] * len(keys)
+        if not todo:
+            return out
+        codes = self._caller.call(
+            self.store.batch_put_from,
+            [keys[i] for i in todo],
+            [addrs[i] for i in todo],
+            [sizes[i] for i in todo],
+        )
+        _raise_if_unreachable("batch_put_from", codes)
+        for i, code in zip(todo, codes, strict=True):
+            if code == 0:
+                out[i] = PutStatus.STORED
+            elif code == OBJECT_ALREADY_EXISTS:
+                out[i] = PutStatus.PRESENT
+            else:
+                log.warning("mooncake: put %s returned %d", keys[i], code)
+                out[i] = PutStatus.FAILED
+        return out
+
+    def _remove(self, keys: Sequence[str]) -> int:
+        codes = self._caller.call(self.store.batch_remove, list(keys), True)
+        _raise_if_unreachable("batch_remove", codes)
+        return sum(1 for code in codes if code == 0)
+
+    def _probe(self) -> tuple[str, int | None, int | None]:
+        rc = self._caller.call(self.store.health_check)
+        if rc != 0:
+            reason = {1: "client not initialised or closed", 2: "master unreachable"}
+            raise BackendUnavailable(f"mooncake: health_check() = {rc} ({reason.get(rc, '?')})")
+        # health_check() answers from cached state for a while after the master died;
+        # one real RPC tells the truth.
+        self._exists([PROBE_KEY])
+        detail = f"mooncake master {self.cfg.master} ok"
+        return detail, self.cfg.global_segment_size, None
+
+    def _stuck_calls(self) -> int:
+        return self._caller.stuck
+
+
+def _first_error(codes: Sequence[int]) -> int:
+    return next(code for code in codes if code < 0)
+
+
+def _raise_if_unreachable(op: str, codes: Sequence[int]) -> None:
+    bad = [code for code in codes if code in UNREACHABLE]
+    if bad:
+        raise BackendUnavailable(f"mooncake: {op} failed with {bad[0]} (master unreachable)")

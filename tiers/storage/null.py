@@ -1,0 +1,41 @@
+"""`none` backend: a null object, so callers never test `if backend is None`.
+
+Every key is absent, puts are refused (`PutStatus.FAILED`: nothing is stored), health is
+always fine. Buffers are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
+
+
+class NullBackend(StorageBackend):
+    name = "none"
+
+    def start(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        return [False] * len(keys)
+
+    def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        return [MISSING] * len(keys)
+
+    def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        return [PutStatus.FAILED] * len(keys)
+
+    def _remove(self, keys: Sequence[str]) -> int:
+        return 0
+
+    def _probe(self) -> tuple[str, int | None, int | None]:
+        return "no L3 backend configured (storage.backend: none)", 0, 0
+
+    def _canary_round_trip(self) -> None:
+        return None

@@ -1,0 +1,159 @@
+"""`redis` backend: redis-py over a blocking connection pool, pipelined binary commands.
+
+Batches of `storage.redis.batch` keys go out as one pipeline (`EXISTS`, `GET`, `SET NX`),
+optionally with a TTL (`EX`). Values are sent as memoryviews of the caller's buffers: redis-py
+writes a memoryview as its own chunk, so a put copies nothing in Python; a get receives
+`bytes` (one copy, unavoidable with redis-py) and copies them into the buffer.
+
+Timeouts: socket connect/read timeouts and the wait for a pooled connection are all
+`storage.timeout_s`; connection errors and timeouts raise `BackendUnavailable`. A command
+error for one key (e.g. OOM under `maxmemory`) is `PutStatus.FAILED` for that key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import redis
+
+from hicache.config import RedisStorageConfig
+from hicache.errors import BackendUnavailable
+from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
+
+log = logging.getLogger(__name__)
+
+_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+
+
+class RedisBackend(StorageBackend):
+    name = "redis"
+
+    def __init__(self, cfg: RedisStorageConfig, timeout_s: float) -> None:
+        super().__init__(timeout_s)
+        self.cfg = cfg
+        self._pool: redis.BlockingConnectionPool | None = None
+        self._client: redis.Redis | None = None
+
+    def start(self) -> None:
+        pool = redis.BlockingConnectionPool.from_url(
+            self.cfg.url,
+            max_connections=self.cfg.pool_size,
+            timeout=self.timeout_s,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+        )
+        self._pool, self._client = pool, redis.Redis(connection_pool=pool)
+        log.info(
+            "L3 redis backend: %s, batch %d, pool %d, ttl %s",
+            _redact(self.cfg.url),
+            self.cfg.batch,
+            self.cfg.pool_size,
+            self.cfg.ttl_s,
+        )
+        self._probe()
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._pool is not None:
+            self._pool.disconnect()
+        self._client = self._pool = None
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None:
+            raise BackendUnavailable("redis: backend not started or closed")
+        return self._client
+
+    def _batches(self, n: int) -> range:
+        return range(0, n, self.cfg.batch)
+
+    # ------------------------------------------------------------------ backend hooks
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
+        out: list[bool] = []
+        try:
+            for lo in self._batches(len(keys)):
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys[lo : lo + self.cfg.batch]:
+                    pipe.exists(key)
+                found = [bool(n) for n in pipe.execute()]
+                out.extend(found)
+                if not all(found):
+                    break
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        return out
+
+    def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        out: list[int] = []
+        try:
+            for lo in self._batches(len(keys)):
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys[lo : lo + self.cfg.batch]:
+                    pipe.get(key)
+                values = pipe.execute()
+                for buf, value in zip(buffers[lo : lo + self.cfg.batch], values, strict=True):
+                    if value is None:
+                        out.append(MISSING)
+                        continue
+                    if len(value) == buf.nbytes:
+                        buf[:] = np.frombuffer(value, dtype=np.uint8)
+                    out.append(len(value))
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        return out
+
+    def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        out: list[PutStatus] = []
+        try:
+            for lo in self._batches(len(keys)):
+                pipe = self.client.pipeline(transaction=False)
+                for key, buf in zip(
+                    keys[lo : lo + self.cfg.batch], buffers[lo : lo + self.cfg.batch], strict=True
+                ):
+                    pipe.set(key, buf.data, nx=True, ex=self.cfg.ttl_s)
+                for reply in pipe.execute(raise_on_error=False):
+                    if isinstance(reply, Exception):
+                        log.warning("redis refused a put: %s", reply)
+                        out.append(PutStatus.FAILED)
+                    else:
+                        out.append(PutStatus.STORED if reply else PutStatus.PRESENT)
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        return out
+
+    def _remove(self, keys: Sequence[str]) -> int:
+        removed = 0
+        try:
+            for lo in self._batches(len(keys)):
+                removed += int(self.client.delete(*keys[lo : lo + self.cfg.batch]))
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        return removed
+
+    def _probe(self) -> tuple[str, int | None, int | None]:
+        try:
+            self.client.ping()
+            info = self.client.info("memory")
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        maxmemory = int(info.get("maxmemory", 0)) or None
+        used = int(info.get("used_memory", 0))
+        return f"redis {_redact(self.cfg.url)} PING ok", maxmemory, used
+
+
+def _unavailable(e: Exception) -> BackendUnavailable:
+    return BackendUnavailable(f"redis: {type(e).__name__}: {e}")
+
+
+def _redact(url: str) -> str:
+    """The URL without a password."""
+    scheme, sep, rest = url.partition("://")
+    _, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
+
+
+__all__ = ["RedisBackend"]
