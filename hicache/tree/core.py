@@ -163,6 +163,7 @@ class HiRadixTree:
             device_pages=device_pages,
             lock=tree_lock,
             path=tuple(path[:i2]),
+            tail=path[-1] if path else None,
         )
 
     def _check_tokens(self, tokens: bytes) -> bytes:
@@ -242,6 +243,94 @@ class HiRadixTree:
         self._locks.add(lock)
         self._apply_lock(lock, +1)
 
+    def pin(self, node: object, namespace: str = "") -> TreeLock:
+        """Lock the path from the root down to `node` (and its point slots) while a
+        transfer reads or writes its pages; release with `unlock`."""
+        assert isinstance(node, Node) and node.parent is not None
+        lock = TreeLock(
+            namespace=node.root.namespace,
+            end=node,
+            mamba_nodes=(node,),
+            prefix=b"",
+            session_id=None,
+            session_gen=0,
+            device_end=node if node.mask[FULL_INDEX] & 1 else None,
+        )
+        self._lock(lock)
+        return lock
+
+    def lock_path(self, lock: TreeLock) -> tuple[object, ...]:
+        """The nodes a lock covers, root first (for the controller's load plan)."""
+        out: list[Node] = []
+        node = lock.end
+        while isinstance(node, Node) and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return tuple(reversed(out))
+
+    def path_to(self, node: object) -> tuple[object, ...]:
+        """Nodes from the root (exclusive) down to `node`, root first."""
+        out: list[Node] = []
+        current = node
+        while isinstance(current, Node) and current.parent is not None:
+            out.append(current)
+            current = current.parent
+        return tuple(reversed(out))
+
+    def pages_of(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray | None:
+        """Page ids of `node`'s `kind` slot in DEVICE/HOST (None when not resident)."""
+        assert isinstance(node, Node)
+        return node.res[self._by_kind[kind].index * PAGED_TIERS + tier]
+
+    def is_resident(self, node: object, kind: ComponentKind, tier: Tier) -> bool:
+        assert isinstance(node, Node)
+        return bool(node.mask[self._by_kind[kind].index] & (1 << tier))
+
+    def is_live(self, node: object) -> bool:
+        """Whether `node` is still part of the tree (not evicted from every tier)."""
+        assert isinstance(node, Node)
+        parent = node.parent
+        return parent is not None and parent.children.get(node.key[: self._pb]) is node
+
+    def hits(self, node: object) -> int:
+        assert isinstance(node, Node)
+        return node.hits
+
+    def namespace_of(self, node: object) -> str:
+        assert isinstance(node, Node)
+        return str(node.root.namespace)
+
+    def depth_tokens(self, node: object | None) -> int:
+        return node.depth * self.page_size if isinstance(node, Node) else 0
+
+    def iter_nodes(self) -> list[object]:
+        """Every node of every namespace (for flush and audits; O(tree))."""
+        out: list[object] = []
+        stack = [child for root in self._roots.values() for child in root.children.values()]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def chain_after(self, namespace: str, node: object | None, token_bytes: bytes) -> bytes:
+        """Chained hashes of whole pages of `token_bytes` continuing after `node` (the
+        root of `namespace` when None): the L3 keys of pages beyond the tree."""
+        if isinstance(node, Node) and node.parent is not None:
+            prev = self.page_hashes(node)[-PAGE_HASH_BYTES:]
+        else:
+            prev = chain_seed(namespace, self._model_id, self._kv_dtype)
+        return chain_hashes(prev, token_bytes, self._pb)
+
+    def mark_loaded(self, lock: TreeLock) -> None:
+        """After a load brought the lock's whole path into L1: inserts with this lock now
+        start at its end. Raises InvalidArgument if some node is still not in L1."""
+        for node in self.lock_path(lock):
+            assert isinstance(node, Node)
+            if not node.mask[FULL_INDEX] & 1:
+                raise InvalidArgument("the locked path is not in L1 yet")
+        lock.device_end = lock.end
+
     def unlock(self, lock: TreeLock) -> None:
         """Release a lock. Raises NotFound when it was released already."""
         if not lock.active:
@@ -304,6 +393,7 @@ class HiRadixTree:
         keep_lock: bool = False,
         mamba_slot: int | None = None,
         session_id: str | None = None,
+        tier: Tier = Tier.DEVICE,
     ) -> InsertResult:
         """Commit `tokens` (whole pages; a partial last page is ignored) with its L1 pages.
 
@@ -313,11 +403,16 @@ class HiRadixTree:
         end. Pages the tree already holds are returned in `released` for the caller to
         free. Consumes `lock` unless `keep_lock`, in which case the lock moves to the new
         end. Raises InvalidArgument for mismatched lengths or a lock that does not cover
-        a prefix of `tokens`, NotFound for a released lock."""
+        a prefix of `tokens`, NotFound for a released lock.
+
+        `tier=HOST` commits pages that arrived in L2 (a prefetch): they continue the
+        lock's whole path rather than its device part."""
         tokens = self._check_tokens(tokens)
+        if tier is Tier.STORAGE:
+            raise InvalidArgument("L3 residency is recorded with set_resident, not insert")
         pb = self._pb
         total = len(tokens) // pb
-        start = self._start_node(namespace, tokens, lock)
+        start = self._start_node(namespace, tokens, lock, tier)
         begin = start.depth
         provided = self._check_pages(pages, total - begin)
         released: list[list[np.ndarray]] = [[] for _ in self.components]
@@ -334,14 +429,14 @@ class HiRadixTree:
             else:
                 k = self._common_pages(child.key, tokens, pos * pb, total * pb)
                 child = self._split(child, k)
-            self._reconcile(child, provided, pos - begin, released)
+            self._reconcile(child, provided, pos - begin, released, tier)
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
         if pos < total:
-            node = self._add_suffix(node, tokens, pos, total, provided, begin, tick)
+            node = self._add_suffix(node, tokens, pos, total, provided, begin, tick, tier)
         if mamba_slot is not None:
-            self._place_checkpoint(node, mamba_slot, released)
+            self._place_checkpoint(node, mamba_slot, released, tier)
         if lock is not None:
             if keep_lock:
                 self._move_lock(lock, node, tokens)
@@ -361,7 +456,8 @@ class HiRadixTree:
             end=node if node.parent is not None else None,
         )
 
-    def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None) -> Node:
+    def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None,
+                    tier: Tier = Tier.DEVICE) -> Node:
         if lock is None:
             root = self._roots.get(namespace)
             if root is None:
@@ -379,7 +475,9 @@ class HiRadixTree:
                 "tokens do not start with the prefix the lock was matched on "
                 f"({len(lock.prefix) // 4} tokens)"
             )
-        start = lock.device_end if lock.device_end is not None else self._roots.get(namespace)
+        start = lock.device_end if tier is Tier.DEVICE else lock.end
+        if start is None:
+            start = self._roots.get(namespace)
         if start is None:
             return self._start_node(namespace, tokens, None)
         return start  # type: ignore[return-value]
@@ -398,7 +496,7 @@ class HiRadixTree:
                 continue
             arr = pages.get(comp.kind)
             if arr is None:
-                if comp.kind is ComponentKind.FULL or n:
+                if n:
                     raise InvalidArgument(f"pages[{comp.kind.value}]: missing ({n} pages expected)")
                 arr = _EMPTY
             # One private int64 copy per call: the tree never aliases the caller's array.
@@ -413,28 +511,28 @@ class HiRadixTree:
         return out
 
     def _reconcile(self, node: Node, provided: dict[int, np.ndarray], off: int,
-                   released: list[list[np.ndarray]]) -> None:
+                   released: list[list[np.ndarray]], tier: int) -> None:
         """Pages given for a span the tree already holds: keep the tree's own, adopt the
-        given ones into an empty L1 slot, hand the rest back."""
+        given ones into an empty slot of `tier`, hand the rest back."""
         n = node.npages
         for ci, arr in provided.items():
             ids = arr[off : off + n]
-            held = node.res[ci * PAGED_TIERS]
+            held = node.res[ci * PAGED_TIERS + tier]
             if held is not None:
                 extra = ids[(ids != held) & (ids >= 0)]
                 if len(extra):
                     released[ci].append(extra)
-            elif (ci == FULL_INDEX or node.res[FULL_INDEX * PAGED_TIERS] is not None) and bool(
+            elif (ci == FULL_INDEX or node.res[FULL_INDEX * PAGED_TIERS + tier] is not None) and bool(
                 (ids >= 0).all()
             ):
-                self._set(node, self.components[ci], Tier.DEVICE, ids)
+                self._set(node, self.components[ci], tier, ids)
             else:
                 present = ids[ids >= 0]
                 if len(present):
                     released[ci].append(present)
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
-                    provided: dict[int, np.ndarray], begin: int, tick: int) -> Node:
+                    provided: dict[int, np.ndarray], begin: int, tick: int, tier: int) -> Node:
         breaks: set[int] = set()
         for ci, arr in provided.items():
             breaks.update(self.components[ci].split_breaks(arr[pos - begin : total - begin]))
@@ -448,17 +546,20 @@ class HiRadixTree:
             for ci, arr in provided.items():
                 ids = arr[lo - begin : hi - begin]
                 if int(ids[0]) >= 0:
-                    self._set(child, self.components[ci], Tier.DEVICE, ids)
+                    self._set(child, self.components[ci], tier, ids)
             node = child
         return node
 
-    def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]]) -> None:
+    def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
+                          tier: int) -> None:
         for comp in self._point_comps:
-            held = node.res[comp.index * PAGED_TIERS]
+            held = node.res[comp.index * PAGED_TIERS + tier]
             if node.parent is None or (held is not None and int(held[0]) != slot):
                 released[comp.index].append(np.array([slot], dtype=np.int64))
+            elif held is None and node.mask[FULL_INDEX] & (1 << tier):
+                self._set(node, comp, tier, np.array([slot], dtype=np.int64))
             elif held is None:
-                self._set(node, comp, Tier.DEVICE, np.array([slot], dtype=np.int64))
+                released[comp.index].append(np.array([slot], dtype=np.int64))
 
     def _move_lock(self, lock: TreeLock, end: Node, tokens: bytes) -> None:
         """keep_lock: the request goes on using what it inserted, so the lock follows."""

@@ -43,7 +43,8 @@ class MatchResult:
     matched_tokens: int  # tokens present in the topology (any tier, any component)
     device_pages: Mapping[ComponentKind, np.ndarray]
     lock: TreeLock | None
-    path: tuple[NodeHandle, ...] = field(repr=False)  # nodes down to the host boundary
+    path: tuple[NodeHandle, ...] = field(repr=False)  # nodes down to the storage boundary
+    tail: NodeHandle | None = field(default=None, repr=False)  # deepest matched node
 
 
 @dataclass(frozen=True)

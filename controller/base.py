@@ -1,0 +1,202 @@
+"""The controller's contract with the daemon: typed requests and results, one method per RPC.
+
+The gRPC servicers convert protobuf to these calls and back, nothing else. Every method is
+thread-safe (gRPC calls arrive on many threads) and raises the typed errors of
+`hicache.errors` for bad input; it never returns None or False to signal failure.
+
+Ids (`lock_id`, `allocation_id`, `prefetch_id`) are positive integers, unique for the
+daemon's life; 0 means "none" in results. Every lock and allocation belongs to the engine
+that made it (its `engine_id`, sent after `attach`); when the engine's lease lapses the
+controller releases them and counts it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.config import MemberSpec
+from hicache.tiers.base import PoolDescriptor
+from hicache.tiers.storage.base import BackendHealth
+
+PagesByMember = Mapping[str, np.ndarray]
+"""L1 page ids per family member (a sidecar lists its anchor's ids)."""
+
+
+class PrefetchState(enum.Enum):
+    RUNNING = "RUNNING"
+    DONE = "DONE"
+    CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class AttachInfo:
+    page_size: int
+    members: tuple[MemberSpec, ...]
+    pools: tuple[PoolDescriptor, ...]
+    lease_ms: int
+
+
+@dataclass(frozen=True)
+class HeartbeatInfo:
+    lease_ms: int
+    locks: int
+    allocations: int
+
+
+@dataclass(frozen=True)
+class MatchRequest:
+    namespace: str
+    tokens: bytes  # little-endian uint32 ids
+    session_id: str = ""
+    request_id: str = ""
+    lock: bool = False
+    prefetch: bool = False
+    allocate_tokens: int | None = None  # also allocate L1 pages for this many new tokens
+
+
+@dataclass(frozen=True)
+class MatchOutcome:
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    device_pages: PagesByMember
+    lock_id: int = 0
+    prefetch_id: int = 0
+    allocation_id: int = 0
+    pages: PagesByMember = field(default_factory=dict)  # of the allocation, when asked
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    layers_ready: int
+    layers_total: int
+    device_pages: PagesByMember | None = None  # on the last message only
+    device_tokens: int | None = None  # on the last message only
+
+
+@dataclass(frozen=True)
+class PrefetchInfo:
+    state: PrefetchState
+    tokens_ready: int
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class AllocateRequest:
+    namespace: str
+    num_tokens: int
+    lock_id: int | None = None  # the match this allocation extends
+    allocation_id: int | None = None  # extend this allocation (decode growth)
+
+
+@dataclass(frozen=True)
+class AllocationInfo:
+    allocation_id: int
+    pages: PagesByMember  # every page of the allocation, in token order
+
+
+@dataclass(frozen=True)
+class InsertRequest:
+    namespace: str
+    tokens: bytes
+    lock_id: int | None = None
+    allocation_id: int | None = None
+    session_id: str = ""
+    request_id: str = ""
+    mamba_checkpoint: bool = False
+    keep_lock: bool = False
+
+
+@dataclass(frozen=True)
+class InsertOutcome:
+    inserted_tokens: int
+    reused_tokens: int
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    tier: str  # "device" | "host"
+    member: str
+    capacity_pages: int
+    used_pages: int
+    locked_pages: int
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    pools: tuple[PoolUsage, ...]
+    counters: Mapping[str, int]  # lookups, hit_tokens_device/host/storage, evictions_*, ...
+
+
+class CacheService(abc.ABC):
+    """What the daemon serves. Implemented by `HybridCacheController`."""
+
+    @abc.abstractmethod
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> AttachInfo:
+        """Register (or renew) an engine and return the geometry and L1 pool handles.
+        InvalidArgument for an empty engine id or a tp_rank outside tp_size."""
+
+    @abc.abstractmethod
+    def heartbeat(self, engine_id: str) -> HeartbeatInfo:
+        """Renew the lease. NotFound for an engine that never attached or has expired."""
+
+    @abc.abstractmethod
+    def match(self, engine_id: str, req: MatchRequest) -> MatchOutcome:
+        """Longest safe reuse per tier; optionally lock, start a prefetch, allocate."""
+
+    @abc.abstractmethod
+    def load(self, engine_id: str, lock_id: int) -> Iterator[LoadProgress]:
+        """Bring the host-resident part of a locked match into L1, yielding per-layer
+        progress; the last message carries the device pages. NotFound for an unknown
+        lock; ResourceExhausted (and nothing changed) when L1 has no room."""
+
+    @abc.abstractmethod
+    def prefetch_status(self, prefetch_id: int) -> PrefetchInfo: ...
+
+    @abc.abstractmethod
+    def cancel_prefetch(self, prefetch_id: int) -> int:
+        """Stop a prefetch; returns tokens_ready. What arrived stays usable."""
+
+    @abc.abstractmethod
+    def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo: ...
+
+    @abc.abstractmethod
+    def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome: ...
+
+    @abc.abstractmethod
+    def release(self, engine_id: str, lock_id: int | None, allocation_id: int | None) -> None:
+        """Unlock / free. NotFound when the handle is unknown or already released."""
+
+    @abc.abstractmethod
+    def close_session(self, session_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def stats(self) -> StatsSnapshot: ...
+
+    @abc.abstractmethod
+    def health(self, deep: bool) -> tuple[BackendHealth, ...]:
+        """Per L3 backend; shallow: last known state, deep: a canary round trip now."""
+
+    @abc.abstractmethod
+    def serving(self) -> bool:
+        """False while a required backend is down (grpc.health NOT_SERVING)."""
+
+    @abc.abstractmethod
+    def flush(self, timeout_s: float) -> int:
+        """Write everything pending (write-back) to L3; returns pages written."""
+
+    @abc.abstractmethod
+    def expire_leases(self) -> int:
+        """Release everything held by engines whose lease lapsed; returns engines expired.
+        The daemon calls it periodically."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop workers and release pools (the daemon flushes first)."""

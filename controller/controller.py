@@ -1,0 +1,480 @@
+"""HybridCacheController: the tree and the tiers behaving as one large cache (DESIGN §3).
+
+Concurrency: one mutex guards the tree, the allocators and the handle registry; it is
+held for bookkeeping and L1<->L2 copies of a request's own pages, never across an L3 call.
+L3 work (backups, prefetches) runs on worker threads and comes back under the mutex.
+Every transfer moves a whole family (a component and its sidecars share page ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from hicache.config import HicacheConfig
+from hicache.controller.base import (
+    AllocateRequest,
+    AllocationInfo,
+    AttachInfo,
+    CacheService,
+    HeartbeatInfo,
+    InsertOutcome,
+    InsertRequest,
+    LoadProgress,
+    MatchOutcome,
+    MatchRequest,
+    PagesByMember,
+    PoolUsage,
+    PrefetchInfo,
+    StatsSnapshot,
+)
+from hicache.controller.engines import AllocationRecord, EngineRegistry, LockRecord
+from hicache.controller.prefetch import Prefetcher, PrefetchOp
+from hicache.controller.storage_io import L3Store
+from hicache.controller.transfers import Transfers
+from hicache.errors import BackendUnavailable, ConfigError, InvalidArgument, NotFound
+from hicache.tiers.base import CopyEngine, DevicePools, HostPools
+from hicache.tiers.copy import build_copy_engine
+from hicache.tiers.device import build_device_pools
+from hicache.tiers.host import build_host_pools
+from hicache.tiers.storage.base import BackendHealth
+from hicache.tiers.storage.registry import build_backend
+from hicache.tree import HiRadixTree
+from hicache.types import ComponentKind, HostLayout, StorageBackendName, Tier
+
+log = logging.getLogger("hicache.controller")
+MAMBA = ComponentKind.MAMBA
+
+
+class HybridCacheController(CacheService):
+    def __init__(self, cfg: HicacheConfig, tree: HiRadixTree, device: DevicePools,
+                 host: HostPools, copier: CopyEngine, l3: L3Store | None) -> None:
+        self.cfg = cfg
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.l3 = l3
+        self.counters: Counter[str] = Counter()
+        self._mu = threading.RLock()
+        self._ps = cfg.model.page_size
+        self._pb = self._ps * 4
+        self._kinds = cfg.model.component_kinds
+        self._paged = [k for k in self._kinds if k is not MAMBA]
+        self._engines = EngineRegistry(cfg.server.lease_ms / 1000)
+        self.transfers = Transfers(self, copier)
+        self.prefetcher = Prefetcher(self)
+        self.probe_interval_s = 0.5
+        self._stop = threading.Event()
+        self._prober = threading.Thread(target=self._probe_loop, name="hicache-l3-probe", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.transfers.start()
+        self.prefetcher.start()
+        if self.l3 is not None:
+            self._prober.start()
+
+    def _probe_loop(self) -> None:
+        """While the breaker is open, ask the backend every `probe_interval_s`; a healthy
+        answer closes the breaker and backups resume."""
+        assert self.l3 is not None
+        while not self._stop.wait(self.probe_interval_s):
+            if self.l3.breaker.is_open:
+                try:
+                    self.l3.probe(deep=False)
+                except Exception:
+                    log.exception("L3 probe failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._prober.is_alive():
+            self._prober.join(timeout=5)
+        self.prefetcher.close()
+        self.transfers.close()
+        if self.l3 is not None:
+            self.l3.backend.unregister_host_buffer(self.host.buffer_address)
+            self.l3.backend.close()
+        self.device.close()
+        self.host.close()
+
+    # ------------------------------------------------------------------ engines
+
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> AttachInfo:
+        if tp_size != self.cfg.model.tp_size:
+            raise InvalidArgument(
+                f"tp_size {tp_size} does not match model.tp_size {self.cfg.model.tp_size}"
+            )
+        with self._mu:
+            self._engines.attach(engine_id, tp_rank, tp_size)
+        return AttachInfo(
+            page_size=self._ps,
+            members=self.cfg.model.members,
+            pools=self.device.descriptors(),
+            lease_ms=self.cfg.server.lease_ms,
+        )
+
+    def heartbeat(self, engine_id: str) -> HeartbeatInfo:
+        with self._mu:
+            engine = self._engines.renew(engine_id)
+            return HeartbeatInfo(self.cfg.server.lease_ms, len(engine.locks), len(engine.allocations))
+
+    def expire_leases(self) -> int:
+        with self._mu:
+            gone = self._engines.lapsed()
+            for engine in gone:
+                locks, allocs = self._engines.take_handles(engine)
+                for rec in locks:
+                    if rec.tree_lock.active:
+                        self.tree.unlock(rec.tree_lock)
+                for alloc in allocs:
+                    self._free_allocation(alloc)
+                self.counters["leases_expired"] += 1
+                self.counters["lease_released_locks"] += len(locks)
+                self.counters["lease_released_allocations"] += len(allocs)
+                log.warning("engine %s: lease lapsed; released %d locks, %d allocations",
+                            engine.engine_id, len(locks), len(allocs))
+            return len(gone)
+
+    # ------------------------------------------------------------------ match
+
+    def _check_tokens(self, tokens: bytes) -> None:
+        if len(tokens) % 4:
+            raise InvalidArgument(
+                f"tokens: {len(tokens)} bytes is not a multiple of 4 (little-endian uint32 ids)"
+            )
+        limit = self.cfg.server.max_tokens_per_request
+        if len(tokens) // 4 > limit:
+            raise InvalidArgument(
+                f"tokens: {len(tokens) // 4} tokens exceed server.max_tokens_per_request ({limit})"
+            )
+
+    def match(self, engine_id: str, req: MatchRequest) -> MatchOutcome:
+        self._check_tokens(req.tokens)
+        wants_handle = req.lock or req.allocate_tokens is not None or req.prefetch
+        if req.allocate_tokens is not None and req.allocate_tokens < 0:
+            raise InvalidArgument(f"allocate_tokens: {req.allocate_tokens} must be >= 0")
+        with self._mu:
+            if wants_handle:
+                self._engines.renew(engine_id)
+            m = self.tree.match(req.namespace, req.tokens, lock=wants_handle,
+                                session_id=req.session_id or None)
+            self.counters["lookups"] += 1
+            self.counters["hit_tokens_device"] += m.device_tokens
+            self.counters["hit_tokens_host"] += m.host_tokens
+            self.transfers.after_match(m)
+            junction = self.tree.depth_tokens(m.tail)
+            known = m.device_tokens + m.host_tokens + m.storage_tokens
+            lock_id = 0
+            if m.lock is not None:
+                lock_id = self._engines.add_lock(
+                    LockRecord(engine_id, req.namespace, m.lock, req.session_id)
+                )
+        storage_tokens = m.storage_tokens
+        beyond: bytes = b""
+        if self.l3 is not None and junction == known and len(req.tokens) // self._pb * self._ps > junction:
+            beyond = self.tree.chain_after(req.namespace, m.tail, req.tokens[junction * 4 :])
+            run = self.prefetcher.l3_run(req.namespace, beyond)
+            storage_tokens += run * self._ps
+            beyond = beyond[: run * 16]
+        self.counters["hit_tokens_storage"] += storage_tokens
+        prefetch_id = 0
+        alloc_id = 0
+        alloc_pages: PagesByMember = {}
+        with self._mu:
+            if (req.prefetch and beyond and m.lock is not None
+                    and storage_tokens >= self.cfg.prefetch.threshold_tokens):
+                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, m.tail, beyond)
+            if req.allocate_tokens is not None:
+                assert m.lock is not None
+                alloc_id, alloc_pages = self._new_allocation(
+                    engine_id, req.namespace, m.device_tokens // self._ps, req.allocate_tokens,
+                    lock_id, m.device_pages.get(MAMBA),
+                )
+            device_pages = self._by_member(m.device_pages)
+        return MatchOutcome(
+            device_tokens=m.device_tokens,
+            host_tokens=m.host_tokens,
+            storage_tokens=storage_tokens,
+            device_pages=device_pages,
+            lock_id=lock_id,
+            prefetch_id=prefetch_id,
+            allocation_id=alloc_id,
+            pages=alloc_pages,
+        )
+
+    def _by_member(self, pages: Mapping[ComponentKind, np.ndarray]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for kind in self._kinds:
+            ids = pages.get(kind)
+            if ids is None:
+                continue
+            for member in self.cfg.model.family(kind):
+                out[member.name] = ids
+        return out
+
+    # ------------------------------------------------------------------ allocation
+
+    def _new_allocation(self, engine_id: str, namespace: str, start_page: int, tokens: int,
+                        lock_id: int | None, checkpoint: np.ndarray | None) -> tuple[int, PagesByMember]:
+        n = -(-tokens // self._ps)
+        pages = {kind: self.transfers.allocate_l1(kind, n) for kind in self._paged}
+        slot = None
+        if MAMBA in self._kinds:
+            slot = int(self.transfers.allocate_l1(MAMBA, 1)[0])
+            if checkpoint is not None and len(checkpoint):
+                self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
+        record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
+        alloc_id = self._engines.add_allocation(record)
+        return alloc_id, self._allocation_pages(record)
+
+    def _allocation_pages(self, record: AllocationRecord) -> dict[str, np.ndarray]:
+        pages: dict[ComponentKind, np.ndarray] = dict(record.pages)
+        if record.mamba_slot is not None:
+            pages[MAMBA] = np.array([record.mamba_slot], dtype=np.int64)
+        return self._by_member(pages)
+
+    def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo:
+        if req.num_tokens <= 0:
+            raise InvalidArgument(f"num_tokens: {req.num_tokens} must be > 0")
+        if req.num_tokens // self._ps > self.cfg.server.max_tokens_per_request:
+            raise InvalidArgument(f"num_tokens: {req.num_tokens} exceeds server.max_tokens_per_request")
+        with self._mu:
+            self._engines.renew(engine_id)
+            if req.allocation_id:
+                record = self._engines.allocation(engine_id, req.allocation_id)
+                n = -(-req.num_tokens // self._ps)
+                for kind in self._paged:
+                    record.pages[kind] = np.concatenate(
+                        [record.pages[kind], self.transfers.allocate_l1(kind, n)]
+                    )
+                return AllocationInfo(req.allocation_id, self._allocation_pages(record))
+            start, checkpoint = 0, None
+            if req.lock_id:
+                lock = self._engines.lock(engine_id, req.lock_id).tree_lock
+                start = self.tree.depth_tokens(lock.device_end) // self._ps
+                if lock.device_end is not None and MAMBA in self._kinds:
+                    checkpoint = self.tree.pages_of(lock.device_end, MAMBA, Tier.DEVICE)
+            alloc_id, pages = self._new_allocation(
+                engine_id, req.namespace, start, req.num_tokens, req.lock_id or None, checkpoint
+            )
+            return AllocationInfo(alloc_id, pages)
+
+    def _free_allocation(self, record: AllocationRecord) -> None:
+        for kind, ids in record.pages.items():
+            self.transfers.free_l1(kind, ids)
+        if record.mamba_slot is not None:
+            self.transfers.free_l1(MAMBA, np.array([record.mamba_slot], dtype=np.int64))
+
+    # ------------------------------------------------------------------ insert / release
+
+    def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
+        self._check_tokens(req.tokens)
+        with self._mu:
+            self._engines.renew(engine_id)
+            lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
+            if lock_rec is not None and lock_rec.namespace != req.namespace:
+                raise InvalidArgument(
+                    f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
+                )
+            alloc = self._engines.allocation(engine_id, req.allocation_id) if req.allocation_id else None
+            if alloc is not None and alloc.namespace != req.namespace:
+                raise InvalidArgument(
+                    f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
+                )
+            tree_lock = lock_rec.tree_lock if lock_rec else None
+            if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
+                raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
+            begin = self.tree.depth_tokens(tree_lock.device_end if tree_lock else None) // self._ps
+            total = len(req.tokens) // self._pb
+            need = total - begin
+            pages: dict[ComponentKind, np.ndarray] = {}
+            if need > 0:
+                if alloc is None:
+                    raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
+                lo = begin - alloc.start_page
+                have = len(alloc.pages[self._paged[0]])
+                if lo < 0 or lo + need > have:
+                    raise InvalidArgument(
+                        f"allocation {req.allocation_id} covers token pages "
+                        f"[{alloc.start_page}, {alloc.start_page + have}); insert needs [{begin}, {total})"
+                    )
+                pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
+            slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
+            session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
+            result = self.tree.insert(
+                req.namespace, req.tokens, pages, lock=tree_lock, keep_lock=req.keep_lock,
+                mamba_slot=slot, session_id=session,
+            )
+            for kind, ids in result.released.items():
+                self.transfers.free_l1(kind, ids)
+            if lock_rec is not None and not req.keep_lock:
+                self._engines.pop_lock(engine_id, req.lock_id or 0)
+            if alloc is not None:
+                self._consume_allocation(engine_id, req, alloc, begin, need, slot, result.released)
+            if result.end is not None:
+                self.transfers.after_insert(result.end)
+            return InsertOutcome(result.inserted_tokens, result.reused_tokens)
+
+    def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
+                            begin: int, used: int, slot: int | None,
+                            released: dict[ComponentKind, np.ndarray] | object) -> None:
+        """Pages the tree now owns (or handed back) leave the allocation; the rest stays
+        for decode growth, or is freed by the final insert."""
+        lo = max(0, begin - alloc.start_page)
+        skipped = {kind: alloc.pages[kind][:lo] for kind in self._paged}  # loaded instead
+        for kind, ids in skipped.items():
+            self.transfers.free_l1(kind, ids)
+        for kind in self._paged:
+            alloc.pages[kind] = alloc.pages[kind][lo + max(0, used) :]
+        alloc.start_page = begin + max(0, used)
+        if slot is not None:
+            # The tree owns (or freed) the checkpoint now; a continuing request gets a
+            # private copy to go on writing (copy-on-write).
+            alloc.mamba_slot = None
+            if req.keep_lock:
+                fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
+                self.transfers.copy_l1_slot(MAMBA, slot, fresh)
+                alloc.mamba_slot = fresh
+        if not req.keep_lock:
+            self._engines.pop_allocation(engine_id, req.allocation_id or 0)
+            self._free_allocation(alloc)
+
+    def release(self, engine_id: str, lock_id: int | None, allocation_id: int | None) -> None:
+        if not lock_id and not allocation_id:
+            raise InvalidArgument("release needs a lock_id or an allocation_id")
+        with self._mu:
+            if lock_id:
+                record = self._engines.pop_lock(engine_id, lock_id)
+                if record.tree_lock.active:
+                    self.tree.unlock(record.tree_lock)
+            if allocation_id:
+                self._free_allocation(self._engines.pop_allocation(engine_id, allocation_id))
+
+    def close_session(self, session_id: str) -> int:
+        if not session_id:
+            raise InvalidArgument("session_id: must be a non-empty string")
+        with self._mu:
+            return self.tree.close_session(session_id)
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, engine_id: str, lock_id: int) -> Iterator[LoadProgress]:
+        with self._mu:
+            self._engines.renew(engine_id)
+            record = self._engines.lock(engine_id, lock_id)
+            op = self.transfers.plan_load(record.tree_lock)
+        yield from self.transfers.run_load(op, record.tree_lock)
+
+    # ------------------------------------------------------------------ prefetch
+
+    def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
+        op = self._prefetch_op(prefetch_id)
+        return op.info()
+
+    def cancel_prefetch(self, prefetch_id: int) -> int:
+        op = self._prefetch_op(prefetch_id)
+        op.cancel()
+        return op.info().tokens_ready
+
+    def _prefetch_op(self, prefetch_id: int) -> PrefetchOp:
+        op = self.prefetcher.get(prefetch_id)
+        if op is None:
+            raise NotFound(f"prefetch {prefetch_id} is unknown or expired")
+        return op
+
+    # ------------------------------------------------------------------ reports
+
+    def stats(self) -> StatsSnapshot:
+        pools: list[PoolUsage] = []
+        with self._mu:
+            for tier, pools_obj in ((Tier.DEVICE, self.device), (Tier.HOST, self.host)):
+                for member in self.cfg.model.members:
+                    alloc = pools_obj.allocator(member.component)
+                    pools.append(PoolUsage(
+                        tier=tier.name.lower(), member=member.name, capacity_pages=alloc.total,
+                        used_pages=alloc.total - alloc.free_count,
+                        locked_pages=self.tree.locked_pages(tier, member.component),
+                    ))
+            counters = dict(self.counters)
+            counters.update(self.transfers.counters())
+            counters["active_locks"] = self._engines.lock_count
+            counters["active_allocations"] = self._engines.allocation_count
+            if self.l3 is not None:
+                counters["l3_errors"] = self.l3.errors
+                counters["l3_breaker_trips"] = self.l3.breaker.trips
+        return StatsSnapshot(tuple(pools), counters)
+
+    def health(self, deep: bool) -> tuple[BackendHealth, ...]:
+        if self.l3 is None:
+            return ()
+        if deep or self.l3.last_health is None:
+            return (self.l3.probe(deep=deep),)
+        return (self.l3.last_health,)
+
+    def serving(self) -> bool:
+        if self.l3 is None or not self.cfg.storage.required:
+            return True
+        return not self.l3.breaker.is_open
+
+    def flush(self, timeout_s: float) -> int:
+        return self.transfers.flush(timeout_s)
+
+    # ------------------------------------------------------------------ audits
+
+    def check_integrity(self) -> None:
+        """Tree invariants, allocator invariants, and that every L1/L2 page is owned
+        exactly once (by the tree, an allocation, or an in-flight transfer)."""
+        with self._mu:
+            self.tree.check_integrity()
+            self.device.check_integrity()
+            self.host.check_integrity()
+            self.transfers.check_ownership(self._engines)
+
+
+def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None = None,
+                     start: bool = True) -> HybridCacheController:
+    """Pools, tree, copy engine and L3 backend from `cfg`; started unless `start=False`.
+
+    Raises ConfigError (sizes, layouts), FailedPrecondition (another live daemon owns
+    `instance`), BackendUnavailable (a required L3 backend cannot be reached)."""
+    kinds = {
+        k: (cfg.model.components[k].window_tokens if k is ComponentKind.SWA else 0)
+        for k in cfg.model.component_kinds
+    }
+    tree = HiRadixTree(cfg.model.page_size, kinds, cfg.eviction.policy, cfg.model.id,
+                       cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones)
+    device = build_device_pools(cfg, instance, use_cuda)
+    host: HostPools | None = None
+    try:
+        host = build_host_pools(cfg)
+        copier = build_copy_engine(device, host)
+        l3 = None
+        if cfg.storage.backend is not StorageBackendName.NONE:
+            if host.layout is not HostLayout.PAGE_FIRST:
+                raise ConfigError(
+                    "tiers.l2.layout: layer_first cannot serve an L3 backend (objects need "
+                    "page_first; use auto or page_first)"
+                )
+            try:
+                backend = build_backend(cfg.storage)
+            except BackendUnavailable as e:
+                if cfg.storage.required:
+                    raise
+                log.error("L3 %s unavailable, serving from L1/L2 only: %s", cfg.storage.backend.value, e)
+            else:
+                backend.register_host_buffer(host.buffer_address, host.buffer_size)
+                l3 = L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size)
+        ctl = HybridCacheController(cfg, tree, device, host, copier, l3)
+    except BaseException:
+        if host is not None:
+            host.close()
+        device.close()
+        raise
+    if start:
+        ctl.start()
+    return ctl

@@ -1,0 +1,151 @@
+"""Engines, their leases, and the handles they hold (locks and allocations).
+
+Owned by the controller and mutated only under its mutex. A handle belongs to the engine
+that made it; an engine whose lease lapsed loses every handle at the next sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache.errors import InvalidArgument, NotFound
+from hicache.tree import TreeLock
+from hicache.types import ComponentKind
+
+
+@dataclass
+class LockRecord:
+    engine_id: str
+    namespace: str
+    tree_lock: TreeLock
+    session_id: str
+
+
+@dataclass
+class AllocationRecord:
+    engine_id: str
+    namespace: str
+    start_page: int  # token page the first page id stands for
+    pages: dict[ComponentKind, np.ndarray]  # per-page components, in token order
+    mamba_slot: int | None  # the request's working state (copy-on-write target)
+    lock_id: int | None = None
+
+
+@dataclass
+class Engine:
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    expires_at: float
+    locks: set[int] = field(default_factory=set)
+    allocations: set[int] = field(default_factory=set)
+
+
+class EngineRegistry:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_s = lease_s
+        self._clock = clock
+        self._engines: dict[str, Engine] = {}
+        self._locks: dict[int, LockRecord] = {}
+        self._allocations: dict[int, AllocationRecord] = {}
+        self._ids = itertools.count(1)
+        self.expired = 0
+
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> Engine:
+        if not engine_id:
+            raise InvalidArgument("engine_id: must be a non-empty string")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise InvalidArgument(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
+        engine.expires_at = self._clock() + self.lease_s
+        return engine
+
+    def engine(self, engine_id: str) -> Engine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            raise NotFound(
+                f"engine {engine_id!r} is not attached (or its lease expired): call Attach"
+            )
+        return engine
+
+    def renew(self, engine_id: str) -> Engine:
+        engine = self.engine(engine_id)
+        engine.expires_at = self._clock() + self.lease_s
+        return engine
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    # locks ---------------------------------------------------------------------------
+
+    def add_lock(self, record: LockRecord) -> int:
+        lock_id = self.new_id()
+        self._locks[lock_id] = record
+        self.engine(record.engine_id).locks.add(lock_id)
+        return lock_id
+
+    def lock(self, engine_id: str, lock_id: int) -> LockRecord:
+        record = self._locks.get(lock_id)
+        if record is None or record.engine_id != engine_id:
+            raise NotFound(f"lock {lock_id} is unknown or already released")
+        return record
+
+    def pop_lock(self, engine_id: str, lock_id: int) -> LockRecord:
+        record = self.lock(engine_id, lock_id)
+        del self._locks[lock_id]
+        self._engines[engine_id].locks.discard(lock_id)
+        return record
+
+    # allocations ---------------------------------------------------------------------
+
+    def add_allocation(self, record: AllocationRecord) -> int:
+        alloc_id = self.new_id()
+        self._allocations[alloc_id] = record
+        self.engine(record.engine_id).allocations.add(alloc_id)
+        return alloc_id
+
+    def allocation(self, engine_id: str, alloc_id: int) -> AllocationRecord:
+        record = self._allocations.get(alloc_id)
+        if record is None or record.engine_id != engine_id:
+            raise NotFound(f"allocation {alloc_id} is unknown or already released")
+        return record
+
+    def pop_allocation(self, engine_id: str, alloc_id: int) -> AllocationRecord:
+        record = self.allocation(engine_id, alloc_id)
+        del self._allocations[alloc_id]
+        self._engines[engine_id].allocations.discard(alloc_id)
+        return record
+
+    # leases --------------------------------------------------------------------------
+
+    def lapsed(self) -> list[Engine]:
+        """Engines whose lease ran out, removed from the registry (their handles are the
+        caller's to release)."""
+        now = self._clock()
+        gone = [e for e in self._engines.values() if e.expires_at < now]
+        for engine in gone:
+            del self._engines[engine.engine_id]
+        self.expired += len(gone)
+        return gone
+
+    def take_handles(self, engine: Engine) -> tuple[list[LockRecord], list[AllocationRecord]]:
+        locks = [self._locks.pop(i) for i in sorted(engine.locks) if i in self._locks]
+        allocs = [self._allocations.pop(i) for i in sorted(engine.allocations) if i in self._allocations]
+        engine.locks.clear()
+        engine.allocations.clear()
+        return locks, allocs
+
+    @property
+    def lock_count(self) -> int:
+        return len(self._locks)
+
+    @property
+    def allocation_count(self) -> int:
+        return len(self._allocations)

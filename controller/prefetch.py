@@ -1,0 +1,238 @@
+"""Prefetch: L3 -> L2 ahead of the request (DESIGN §3).
+
+A `PrefetchOp` reserves host pages (bounded by `tiers.l2.prefetch_fraction` of L2), reads
+page families in batches on the prefetch worker, and commits each batch to the tree as
+host-resident right away, so what arrived is usable even if the op then times out or is
+cancelled. `tokens_ready` only grows, page-aligned, always a prefix. Unused reserved
+pages always go back, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.controller.base import PrefetchInfo, PrefetchState
+from hicache.controller.workers import Job, Worker
+from hicache.errors import BackendUnavailable, ResourceExhausted
+from hicache.keys import PAGE_HASH_BYTES
+from hicache.tree import TreeLock
+from hicache.types import ComponentKind, PrefetchPolicy, Tier
+
+if TYPE_CHECKING:
+    from hicache.controller.controller import HybridCacheController
+
+log = logging.getLogger("hicache.controller.prefetch")
+FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
+BATCH_PAGES = 64
+
+
+@dataclass(eq=False)
+class PrefetchOp:
+    op_id: int
+    namespace: str
+    tokens: bytes  # the request's tokens up to the last page to fetch
+    start_page: int  # token page of the first fetched page
+    hashes: list[bytes]
+    host: dict[ComponentKind, np.ndarray]  # reserved host pages, one per page (MAMBA: 1)
+    deadline: float | None
+    state: PrefetchState = PrefetchState.RUNNING
+    pages_ready: int = 0
+    reported: int | None = None  # tokens_ready frozen at the deadline
+    cancelled: bool = False
+    mu: threading.Lock = field(default_factory=threading.Lock)
+    page_size: int = 1
+    pin: TreeLock | None = None  # holds the path the next batch continues
+
+    def info(self) -> PrefetchInfo:
+        with self.mu:
+            total = len(self.hashes) * self.page_size
+            if (self.state is PrefetchState.RUNNING and self.deadline is not None
+                    and time.monotonic() >= self.deadline):
+                self.state = PrefetchState.TIMED_OUT
+                self.reported = self.pages_ready * self.page_size
+            ready = self.pages_ready * self.page_size if self.reported is None else self.reported
+            return PrefetchInfo(self.state, ready, total)
+
+    def cancel(self) -> None:
+        with self.mu:
+            self.cancelled = True
+            if self.state is PrefetchState.RUNNING:
+                self.state = PrefetchState.CANCELLED
+                self.reported = self.pages_ready * self.page_size
+
+
+class Prefetcher:
+    def __init__(self, ctl: HybridCacheController, keep_finished: int = 4096) -> None:
+        self.ctl = ctl
+        self.tree = ctl.tree
+        self.worker = Worker("prefetch", capacity=256, retries=0)  # not idempotent: no retry
+        self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._keep = keep_finished
+        self._reserved_pages = 0
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def get(self, op_id: int) -> PrefetchOp | None:
+        with self.ctl._mu:
+            return self._ops.get(op_id)
+
+    def reserved(self, kind: ComponentKind) -> list[np.ndarray]:
+        out = []
+        for op in self._ops.values():
+            ids = op.host.get(kind)
+            if ids is not None and len(ids):
+                out.append(ids[ids >= 0])
+        return out
+
+    def l3_run(self, namespace: str, hashes: bytes) -> int:
+        """Leading pages beyond the tree whose families are all in L3 (MAMBA: the
+        checkpoint at the last such page must be there too)."""
+        l3 = self.ctl.l3
+        assert l3 is not None
+        page_hashes = [hashes[i : i + PAGE_HASH_BYTES] for i in range(0, len(hashes), PAGE_HASH_BYTES)]
+        members = [m for k in self.ctl._kinds if k is not MAMBA for m in self.ctl.cfg.model.family(k)]
+        run = l3.present_run(namespace, page_hashes, members)
+        if MAMBA in self.ctl._kinds:
+            mamba = self.ctl.cfg.model.family(MAMBA)
+            while run and not l3.has(namespace, page_hashes[run - 1], mamba):
+                run -= 1
+        return run
+
+    def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes) -> int:
+        """Reserve host pages and queue the reads (caller holds the mutex). Returns 0 when
+        nothing could be reserved."""
+        cfg = self.ctl.cfg
+        ps = cfg.model.page_size
+        budget = int(cfg.tiers.l2.prefetch_fraction * self.ctl.host.allocator(FULL).total)
+        n = min(len(hashes) // PAGE_HASH_BYTES, budget - self._reserved_pages)
+        if n <= 0:
+            self.ctl.counters["prefetch_refused_budget"] += 1
+            return 0
+        host: dict[ComponentKind, np.ndarray] = {}
+        try:
+            for kind in self.ctl._kinds:
+                host[kind] = self.ctl.transfers.allocate_l2(kind, 1 if kind is MAMBA else n)
+        except ResourceExhausted:
+            for kind, ids in host.items():
+                self.ctl.transfers.free_l2(kind, ids)
+            self.ctl.counters["prefetch_refused_room"] += 1
+            return 0
+        start_page = self.tree.depth_tokens(tail) // ps
+        policy = cfg.prefetch.policy
+        deadline = None
+        if policy is PrefetchPolicy.TIMEOUT:
+            deadline = time.monotonic() + cfg.prefetch.timeout_for(n * ps)
+        op = PrefetchOp(
+            op_id=next(self._ids),
+            namespace=namespace,
+            tokens=tokens[: (start_page + n) * ps * 4],
+            start_page=start_page,
+            hashes=[hashes[i * PAGE_HASH_BYTES : (i + 1) * PAGE_HASH_BYTES] for i in range(n)],
+            host=host,
+            deadline=deadline,
+            page_size=ps,
+        )
+        op.pin = self.tree.pin(tail) if tail is not None else None
+        self._reserved_pages += n
+        self._ops[op.op_id] = op
+        while len(self._ops) > self._keep:
+            self._ops.popitem(last=False)
+        if not self.worker.submit(Job(f"prefetch-{op.op_id}", lambda: self._run(op),
+                                      lambda e: self._finish(op, PrefetchState.FAILED))):
+            self._finish_locked(op, PrefetchState.FAILED)
+        self.ctl.counters["prefetches_started"] += 1
+        return op.op_id
+
+    def _run(self, op: PrefetchOp) -> None:
+        l3 = self.ctl.l3
+        assert l3 is not None
+        cfg = self.ctl.cfg
+        paged = [k for k in self.ctl._kinds if k is not MAMBA]
+        total = len(op.hashes)
+        done = 0
+        outcome = PrefetchState.DONE
+        try:
+            while done < total:
+                if op.cancelled:
+                    outcome = PrefetchState.CANCELLED
+                    break
+                hi = min(total, done + BATCH_PAGES)
+                got = hi - done  # leading pages of this batch whose whole family arrived
+                for kind in paged:
+                    members = cfg.model.family(kind)
+                    got = min(got, l3.read(op.namespace, op.hashes[done : done + got], members,
+                                           op.host[kind][done : done + got]))
+                    if got == 0:
+                        break
+                last = done + got == total
+                if got and last and MAMBA in op.host:
+                    mamba = cfg.model.family(MAMBA)
+                    if not l3.read(op.namespace, op.hashes[total - 1 : total], mamba, op.host[MAMBA]):
+                        got -= 1  # no checkpoint at the end: the boundary stops a page earlier
+                        last = False
+                if got > 0:
+                    self._commit(op, done, done + got, with_checkpoint=last)
+                if done + got < hi or got <= 0:
+                    outcome = PrefetchState.FAILED if done + got < total else PrefetchState.DONE
+                    done += max(0, got)
+                    break
+                done += got
+        except BackendUnavailable:
+            outcome = PrefetchState.FAILED
+        self._finish(op, outcome)
+
+    def _commit(self, op: PrefetchOp, lo: int, hi: int, with_checkpoint: bool) -> None:
+        """Pages [lo, hi) arrived: make them host-resident in the tree, then visible."""
+        ps4 = op.page_size * 4
+        with self.ctl._mu:
+            tokens = op.tokens[: (op.start_page + hi) * ps4]
+            pages = {k: op.host[k][lo:hi] for k in op.host if k is not MAMBA}
+            slot = int(op.host[MAMBA][0]) if (with_checkpoint and MAMBA in op.host) else None
+            if op.pin is None:
+                result = self.tree.insert(op.namespace, tokens, pages, mamba_slot=slot, tier=Tier.HOST)
+                if result.end is not None:
+                    op.pin = self.tree.pin(result.end)
+            else:
+                result = self.tree.insert(op.namespace, tokens, pages, lock=op.pin, keep_lock=True,
+                                          mamba_slot=slot, tier=Tier.HOST)
+            for kind, ids in result.released.items():
+                self.ctl.transfers.free_l2(kind, ids)
+            for kind in op.host:
+                if kind is MAMBA:
+                    if slot is not None:
+                        op.host[kind] = op.host[kind][1:]
+                else:
+                    op.host[kind][lo:hi] = -1  # owned by the tree (or freed) now
+            with op.mu:
+                op.pages_ready = hi
+
+    def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
+        with self.ctl._mu:
+            self._finish_locked(op, outcome)
+
+    def _finish_locked(self, op: PrefetchOp, outcome: PrefetchState) -> None:
+        for kind, ids in op.host.items():
+            left = ids[ids >= 0]
+            self.ctl.transfers.free_l2(kind, left)
+            op.host[kind] = ids[:0]
+        self._reserved_pages -= len(op.hashes)
+        if op.pin is not None and op.pin.active:
+            self.tree.unlock(op.pin)
+        op.pin = None
+        with op.mu:
+            if op.state is PrefetchState.RUNNING:
+                op.state = outcome
+        self.ctl.counters[f"prefetches_{outcome.value.lower()}"] += 1

@@ -1,0 +1,139 @@
+"""The controller's view of L3: family keys, guarded lookups, reads and writes of host pages.
+
+Every call goes through the circuit breaker: while it is open, lookups answer "nothing"
+at once and writes are refused (the caller counts a dropped backup), so a dead backend
+costs the serving path nothing. A page is present only when the objects of EVERY member
+of its family are: a missing sidecar object makes the whole page a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from hicache.config import MemberSpec
+from hicache.controller.workers import CircuitBreaker, ExistenceCache
+from hicache.errors import BackendUnavailable
+from hicache.keys import PAGE_HASH_BYTES, storage_key
+from hicache.tiers.base import HostPools
+from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
+
+log = logging.getLogger("hicache.controller.l3")
+
+
+class L3Store:
+    def __init__(self, backend: StorageBackend, host: HostPools, model_id: str,
+                 tp_rank: int = 0, tp_size: int = 1, breaker: CircuitBreaker | None = None,
+                 cache: ExistenceCache | None = None) -> None:
+        self.backend = backend
+        self.host = host
+        self.model_id = model_id
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.breaker = breaker or CircuitBreaker()
+        self.cache = cache or ExistenceCache()
+        self.errors = 0
+        self.last_health: BackendHealth | None = None
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def keys(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec]) -> list[str]:
+        """Keys page-major: page 0's members, then page 1's, ..."""
+        return [
+            storage_key(namespace, self.model_id, h, m.name, self.tp_rank, self.tp_size)
+            for h in hashes
+            for m in members
+        ]
+
+    def present_run(self, namespace: str, hashes: Sequence[bytes],
+                    members: Sequence[MemberSpec]) -> int:
+        """Leading pages whose whole family is in L3 (0 while the breaker is open)."""
+        if not hashes:
+            return 0
+        keys = self.keys(namespace, hashes, members)
+        known, stop = self.cache.known_run(keys)
+        if stop or known == len(keys):
+            return known // len(members)
+        if not self.breaker.allow():
+            return known // len(members)
+        try:
+            run = known + self.backend.exists_prefix(keys[known:])
+        except BackendUnavailable as e:
+            self._failed(e)
+            return known // len(members)
+        self.breaker.success()
+        self.cache.add_present(keys[:run])
+        if run < len(keys):
+            self.cache.add_absent(keys[run])
+        return run // len(members)
+
+    def has(self, namespace: str, page_hash: bytes, members: Sequence[MemberSpec]) -> bool:
+        return self.present_run(namespace, [page_hash], members) == 1
+
+    def read(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
+             host_ids: np.ndarray) -> int:
+        """Read pages (whole families) into the host slots `host_ids` (one per page);
+        returns how many leading pages arrived intact. Raises BackendUnavailable."""
+        if not self.breaker.allow():
+            raise BackendUnavailable(f"{self.name}: circuit breaker open")
+        keys = self.keys(namespace, hashes, members)
+        buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
+        try:
+            statuses = self.backend.get_into(keys, buffers)
+        except BackendUnavailable as e:
+            self._failed(e)
+            raise
+        self.breaker.success()
+        ok = 0
+        per = len(members)
+        for page in range(len(hashes)):
+            group = statuses[page * per : (page + 1) * per]
+            if any(s is not GetStatus.HIT for s in group):
+                self.cache.forget(keys[page * per : (page + 1) * per])
+                break
+            ok += 1
+        return ok
+
+    def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
+              host_ids: np.ndarray) -> int:
+        """Store pages from their host slots; returns pages now in L3. Raises
+        BackendUnavailable (breaker open or the store did not answer)."""
+        if not self.breaker.allow():
+            raise BackendUnavailable(f"{self.name}: circuit breaker open")
+        keys = self.keys(namespace, hashes, members)
+        buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
+        try:
+            statuses = self.backend.put_from(keys, buffers)
+        except BackendUnavailable as e:
+            self._failed(e)
+            raise
+        self.breaker.success()
+        per = len(members)
+        stored = 0
+        for page in range(len(hashes)):
+            group = statuses[page * per : (page + 1) * per]
+            if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in group):
+                stored += 1
+                self.cache.add_present(keys[page * per : (page + 1) * per])
+        return stored
+
+    def probe(self, deep: bool = False) -> BackendHealth:
+        health = self.backend.health(deep)
+        self.last_health = health
+        if health.healthy:
+            self.breaker.success()
+        else:
+            self.breaker.failure()
+        return health
+
+    def _failed(self, e: Exception) -> None:
+        self.errors += 1
+        self.breaker.failure()
+        log.warning("L3 %s: %s", self.name, e)
+
+
+def split_hashes(blob: bytes) -> list[bytes]:
+    return [blob[i : i + PAGE_HASH_BYTES] for i in range(0, len(blob), PAGE_HASH_BYTES)]

@@ -1,0 +1,424 @@
+"""Page families moving between tiers: room-making, write policies, loads, L3 backups.
+
+Called by the controller under its mutex, except `run_load`'s copy (outside it: the
+locked pages cannot move) and the L3 backup jobs (on the backup worker).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.controller.base import LoadProgress
+from hicache.controller.workers import Job, Worker
+from hicache.errors import BackendUnavailable, ResourceExhausted
+from hicache.tree import MatchResult, TreeLock, Victim
+from hicache.types import ComponentKind, Tier, WritePolicy
+
+if TYPE_CHECKING:
+    from hicache.controller.controller import HybridCacheController
+    from hicache.controller.engines import EngineRegistry
+    from hicache.tiers.base import CopyEngine
+
+FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
+
+
+@dataclass
+class LoadOp:
+    """Host -> device copies of one lock's path, with per-layer progress."""
+
+    moves: list[tuple[object, ComponentKind, np.ndarray, np.ndarray]]  # node, kind, host, dev
+    layers_total: int
+    layers_ready: int = 0
+    done: bool = False
+    error: BaseException | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def layer_done(self, layer: int) -> None:
+        with self.cond:
+            self.layers_ready = max(self.layers_ready, layer + 1)
+            self.cond.notify_all()
+
+
+class Transfers:
+    def __init__(self, ctl: HybridCacheController, copier: CopyEngine) -> None:
+        self.ctl = ctl
+        self.tree = ctl.tree
+        self.copier = copier
+        self.cfg = ctl.cfg
+        self.stats: Counter[str] = Counter()
+        self.backup_worker = Worker("backup", capacity=4096)
+        self._in_flight: dict[ComponentKind, list[np.ndarray]] = {}  # host pages owned by jobs
+
+    def start(self) -> None:
+        self.backup_worker.start()
+
+    def close(self) -> None:
+        self.backup_worker.close()
+
+    def counters(self) -> dict[str, int]:
+        out = dict(self.stats)
+        out["backup_worker_failures"] = self.backup_worker.failures
+        return out
+
+    # ------------------------------------------------------------------ room
+
+    def allocate_l1(self, kind: ComponentKind, n: int) -> np.ndarray:
+        """`n` L1 pages of `kind`, evicting (with the L1->L2 write policy) to make room.
+        ResourceExhausted when locked pages leave no room."""
+        alloc = self.ctl.device.allocator(kind)
+        if alloc.free_count < n:
+            self._evict(Tier.DEVICE, kind, n - alloc.free_count)
+        if alloc.free_count < n:
+            raise ResourceExhausted(
+                f"L1 {kind.value}: {n} pages needed, {alloc.free_count} free and the rest locked"
+            )
+        return alloc.allocate(n)
+
+    def allocate_l2(self, kind: ComponentKind, n: int) -> np.ndarray:
+        alloc = self.ctl.host.allocator(kind)
+        if alloc.free_count < n:
+            self._evict(Tier.HOST, kind, n - alloc.free_count)
+        if alloc.free_count < n:
+            raise ResourceExhausted(
+                f"L2 {kind.value}: {n} pages needed, {alloc.free_count} free and the rest locked"
+            )
+        return alloc.allocate(n)
+
+    def free_l1(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        if len(ids):
+            self.ctl.device.allocator(kind).free(ids)
+
+    def free_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        if len(ids):
+            self.ctl.host.allocator(kind).free(ids)
+
+    def _evict(self, tier: Tier, kind: ComponentKind, n: int) -> None:
+        """A component's own eviction first (SWA windows, MAMBA checkpoints), then whole
+        leaves, which free every slot of their family. Host pages handed to a write-back
+        job (`deferred`) are freed by that job, not here. Re-entrant: an L1 write-back may
+        evict from L2 while an L1 eviction is under way."""
+        pools = self.ctl.device if tier is Tier.DEVICE else self.ctl.host
+        alloc = pools.allocator(kind)
+        target = alloc.free_count + n
+        for victim_kind in dict.fromkeys((kind, FULL)):
+            short = target - alloc.free_count
+            if short <= 0:
+                break
+            deferred: list[tuple[ComponentKind, np.ndarray]] = []
+            if tier is Tier.DEVICE:
+                result = self.tree.evict(tier, victim_kind, short, before_drop=self._l1_victim)
+            else:
+                result = self.tree.evict(
+                    tier, victim_kind, short,
+                    before_drop=lambda v, d=deferred: self._l2_victim(v, d),  # type: ignore[misc]
+                )
+            for k, ids in result.freed.items():
+                held = [d for kk, d in deferred if kk is k]
+                if held:
+                    ids = ids[~np.isin(ids, np.concatenate(held))]
+                if len(ids):
+                    pools.allocator(k).free(ids)
+            self.stats[f"evicted_{tier.name.lower()}_{victim_kind.value}"] += result.evicted_pages
+
+    # ------------------------------------------------------------------ write policies
+
+    def _l1_victim(self, victim: Victim) -> None:
+        """A slot leaving L1: under write_back it goes to L2 first (only what L2 lacks)."""
+        if self.cfg.write.l1_to_l2 is not WritePolicy.WRITE_BACK:
+            return
+        self.backup_to_host(victim.node)
+
+    def _l2_victim(self, victim: Victim, deferred: list[tuple[ComponentKind, np.ndarray]]) -> None:
+        """A slot leaving L2: under write_back it goes to L3 first. The host pages stay
+        owned by the backup job until the write finished, so nothing waits on L3 here."""
+        if (self.cfg.write.l2_to_l3 is not WritePolicy.WRITE_BACK or self.ctl.l3 is None
+                or self.tree.is_resident(victim.node, FULL, Tier.STORAGE)):
+            return
+        namespace = self.tree.namespace_of(victim.node)
+        hashes = victim.hashes()
+        pages = {k: np.array(v, copy=True) for k, v in victim.pages.items()}
+        for kind, ids in victim.pages.items():
+            deferred.append((kind, ids))
+        for kind, ids in pages.items():
+            self._in_flight.setdefault(kind, []).append(ids)
+
+        def write() -> None:
+            self._write_l3(namespace, hashes, pages)
+
+        def release(_e: BaseException | None = None) -> None:
+            with self.ctl._mu:
+                for kind, ids in pages.items():
+                    self._drop_in_flight(kind, ids)
+                    self.free_l2(kind, ids)
+
+        def run() -> None:
+            write()  # raises to be retried; the give-up path releases the pages
+            self.stats["backups_l3"] += len(hashes) // 16
+            release()
+
+        if self.ctl.l3.breaker.is_open or not self.backup_worker.submit(Job("write-back", run, release)):
+            self.stats["backups_dropped"] += len(hashes) // 16
+            release()
+
+    def _drop_in_flight(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        held = self._in_flight.get(kind, [])
+        for i, arr in enumerate(held):
+            if arr is ids:
+                del held[i]
+                return
+
+    def backup_to_host(self, node: object) -> bool:
+        """Copy `node`'s family slots that L2 lacks from L1 (synchronous: a local copy)."""
+        moved = False
+        for kind in self.ctl._kinds:
+            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
+            if dev is None or self.tree.is_resident(node, kind, Tier.HOST):
+                continue
+            if kind is not FULL and not self.tree.is_resident(node, FULL, Tier.HOST):
+                continue
+            try:
+                host_ids = self.allocate_l2(kind, len(dev))
+            except ResourceExhausted:
+                self.stats["backups_l2_skipped"] += 1
+                return moved
+            self.copier.device_to_host(kind, dev, host_ids)
+            self.tree.set_resident(node, kind, Tier.HOST, host_ids)
+            self.stats["backups_l2"] += len(dev)
+            moved = True
+        return moved
+
+    def after_insert(self, end: object) -> None:
+        """Write-through at insert: L1 -> L2 for the path's new pages, then L3."""
+        policy = self.cfg.write.l1_to_l2
+        threshold = self.cfg.write.selective_threshold
+        for node in self.tree.path_to(end):
+            if self.tree.is_resident(node, FULL, Tier.HOST):
+                continue
+            if policy is WritePolicy.WRITE_THROUGH or (
+                policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) >= threshold
+            ):
+                self.backup_to_host(node)
+        self._maybe_l3(self.tree.path_to(end))
+
+    def after_match(self, m: MatchResult) -> None:
+        """Selective write-through: nodes that just got hot go down a tier."""
+        threshold = self.cfg.write.selective_threshold
+        if self.cfg.write.l1_to_l2 is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in m.path:
+                if (self.tree.hits(node) >= threshold and self.tree.is_resident(node, FULL, Tier.DEVICE)
+                        and not self.tree.is_resident(node, FULL, Tier.HOST)):
+                    self.backup_to_host(node)
+        self._maybe_l3(m.path)
+
+    def _maybe_l3(self, nodes: tuple[object, ...] | list[object]) -> None:
+        policy = self.cfg.write.l2_to_l3
+        if self.ctl.l3 is None or policy is WritePolicy.WRITE_BACK:
+            return
+        threshold = self.cfg.write.selective_threshold
+        for node in nodes:
+            if not self.tree.is_resident(node, FULL, Tier.HOST) or self.tree.is_resident(
+                node, FULL, Tier.STORAGE
+            ):
+                continue
+            if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) < threshold:
+                continue
+            self.backup_to_storage(node)
+
+    def backup_to_storage(self, node: object) -> None:
+        """Queue an L3 write of `node`'s L2 family slots; the node stays pinned until it
+        finished. Dropped (counted) while the breaker is open or the queue is full."""
+        l3 = self.ctl.l3
+        assert l3 is not None
+        if l3.breaker.is_open:
+            self.stats["backups_dropped"] += 1
+            return
+        pin = self.tree.pin(node)
+        namespace = self.tree.namespace_of(node)
+        hashes = self.tree.page_hashes(node)
+        pages = {
+            kind: ids for kind in self.ctl._kinds
+            if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
+        }
+
+        def run() -> None:
+            self._write_l3(namespace, hashes, pages)
+            with self.ctl._mu:
+                for kind in pages:
+                    if self.tree.is_live(node) and not self.tree.is_resident(node, kind, Tier.STORAGE):
+                        self.tree.set_resident(node, kind, Tier.STORAGE)
+                self.stats["backups_l3"] += len(hashes) // 16
+                self.tree.unlock(pin)
+
+        def give_up(_e: BaseException) -> None:
+            with self.ctl._mu:
+                self.stats["backups_l3_failed"] += 1
+                if pin.active:
+                    self.tree.unlock(pin)
+
+        if not self.backup_worker.submit(Job("write-through", run, give_up)):
+            self.stats["backups_dropped"] += 1
+            self.tree.unlock(pin)
+
+    def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
+        l3 = self.ctl.l3
+        assert l3 is not None
+        page_hashes = [hashes[i : i + 16] for i in range(0, len(hashes), 16)]
+        for kind, ids in pages.items():
+            members = self.cfg.model.family(kind)
+            targets = page_hashes[-1:] if kind is MAMBA else page_hashes
+            stored = l3.write(namespace, targets, members, ids)
+            if stored < len(targets):
+                raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
+
+    # ------------------------------------------------------------------ load
+
+    def plan_load(self, lock: TreeLock) -> LoadOp:
+        """Reserve L1 pages for every slot of the lock's path that only L2 holds."""
+        path = self.tree.lock_path(lock)
+        moves: list[tuple[object, ComponentKind, np.ndarray, np.ndarray]] = []
+        comps = {c.kind: c for c in self.tree.components}
+        try:
+            for kind in self.ctl._kinds:
+                nodes = comps[kind].transfer_nodes(path, 0, len(path), Tier.HOST, Tier.DEVICE)  # type: ignore[arg-type]
+                for node in nodes:
+                    host_ids = self.tree.pages_of(node, kind, Tier.HOST)
+                    assert host_ids is not None
+                    moves.append((node, kind, host_ids, self.allocate_l1(kind, len(host_ids))))
+        except ResourceExhausted:
+            for _, kind, _, dev in moves:
+                self.free_l1(kind, dev)
+            raise
+        layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
+        return LoadOp(moves, layers)
+
+    def run_load(self, op: LoadOp, lock: TreeLock) -> Iterator[LoadProgress]:
+        def work() -> None:
+            try:
+                by_kind: dict[ComponentKind, list[tuple[np.ndarray, np.ndarray]]] = {}
+                for _, kind, host_ids, dev_ids in op.moves:
+                    by_kind.setdefault(kind, []).append((host_ids, dev_ids))
+                # Small families first; FULL last drives the per-layer progress.
+                for kind in sorted(by_kind, key=lambda k: k is FULL):
+                    host = np.concatenate([h for h, _ in by_kind[kind]])
+                    dev = np.concatenate([d for _, d in by_kind[kind]])
+                    self.copier.host_to_device(
+                        kind, host, dev, on_layer=op.layer_done if kind is FULL else None
+                    )
+            except BaseException as e:
+                op.error = e
+            finally:
+                with op.cond:
+                    op.done = True
+                    op.cond.notify_all()
+
+        thread = threading.Thread(target=work, name="hicache-load", daemon=True)
+        thread.start()
+        sent = 0
+        while True:
+            with op.cond:
+                while op.layers_ready == sent and not op.done:
+                    op.cond.wait(1.0)
+                ready, done = op.layers_ready, op.done
+            if op.error is not None:
+                break
+            if done:
+                break
+            if ready > sent:
+                sent = ready
+                yield LoadProgress(layers_ready=ready, layers_total=op.layers_total)
+        thread.join()
+        with self.ctl._mu:
+            if op.error is not None:
+                for _, kind, _, dev in op.moves:
+                    self.free_l1(kind, dev)
+                raise op.error
+            for node, kind, _, dev in op.moves:
+                if self.tree.is_resident(node, kind, Tier.DEVICE):
+                    self.free_l1(kind, dev)  # a concurrent insert got there first
+                else:
+                    self.tree.set_resident(node, kind, Tier.DEVICE, dev)
+            self.stats["loaded_pages"] += sum(len(d) for _, k, _, d in op.moves if k is FULL)
+            self.tree.mark_loaded(lock)
+            pages = self._path_pages(lock)
+            tokens = self.tree.depth_tokens(lock.end)
+        yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
+
+    def _path_pages(self, lock: TreeLock) -> dict[ComponentKind, np.ndarray]:
+        path = self.tree.lock_path(lock)
+        out: dict[ComponentKind, np.ndarray] = {}
+        for kind in self.ctl._kinds:
+            if kind is MAMBA:
+                ids = self.tree.pages_of(path[-1], kind, Tier.DEVICE) if path else None
+                out[kind] = ids if ids is not None else np.empty(0, dtype=np.int64)
+                continue
+            parts = []
+            for node in path:
+                ids = self.tree.pages_of(node, kind, Tier.DEVICE)
+                if ids is None:
+                    full = self.tree.pages_of(node, FULL, Tier.DEVICE)
+                    ids = np.full(0 if full is None else len(full), -1, dtype=np.int64)
+                parts.append(ids)
+            out[kind] = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return out
+
+    def copy_l1_slot(self, kind: ComponentKind, src: int, dst: int) -> None:
+        """Copy one L1 slot of a family to another (MAMBA copy-on-write)."""
+        for member in self.cfg.model.family(kind):
+            for layer in range(member.layers):
+                rows = self.ctl.device.layer(member.name, layer)
+                rows[dst].copy_(rows[src])
+
+    # ------------------------------------------------------------------ flush
+
+    def flush(self, timeout_s: float) -> int:
+        """Everything L3 lacks goes down (L1-only slots via L2 first); waits up to
+        `timeout_s`; returns pages written."""
+        deadline = time.monotonic() + timeout_s
+        before = self.stats["backups_l3"]
+        if self.ctl.l3 is None:
+            return 0
+        with self.ctl._mu:
+            for node in self.tree.iter_nodes():
+                if not self.tree.is_resident(node, FULL, Tier.HOST):
+                    self.backup_to_host(node)
+                if self.tree.is_resident(node, FULL, Tier.HOST) and not self.tree.is_resident(
+                    node, FULL, Tier.STORAGE
+                ):
+                    self.backup_to_storage(node)
+        self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
+        return self.stats["backups_l3"] - before
+
+    # ------------------------------------------------------------------ audit
+
+    def check_ownership(self, engines: EngineRegistry) -> None:
+        """Every allocated L1/L2 page is held by exactly one owner."""
+        for tier, pools in ((Tier.DEVICE, self.ctl.device), (Tier.HOST, self.ctl.host)):
+            for kind in self.ctl._kinds:
+                owned: list[np.ndarray] = []
+                for node in self.tree.iter_nodes():
+                    ids = self.tree.pages_of(node, kind, tier)
+                    if ids is not None:
+                        owned.append(ids)
+                if tier is Tier.DEVICE:
+                    for rec in engines._allocations.values():
+                        if kind in rec.pages:
+                            owned.append(rec.pages[kind])
+                        if kind is MAMBA and rec.mamba_slot is not None:
+                            owned.append(np.array([rec.mamba_slot]))
+                else:
+                    owned.extend(self._in_flight.get(kind, []))
+                    owned.extend(self.ctl.prefetcher.reserved(kind))
+                ids = np.concatenate(owned) if owned else np.empty(0, dtype=np.int64)
+                alloc = pools.allocator(kind)
+                assert len(np.unique(ids)) == len(ids), f"{tier.name} {kind.value}: a page owned twice"
+                used = alloc.total - alloc.free_count
+                assert len(ids) == used, (
+                    f"{tier.name} {kind.value}: {used} pages allocated, {len(ids)} owned (leak)"
+                )

@@ -1,0 +1,198 @@
+"""Threads, queues and the defences around L3: circuit breaker, existence cache, workers.
+
+A worker thread takes jobs from a bounded queue; a job that raises is counted and retried
+with backoff, never kills the thread. The circuit breaker stops the controller from
+queuing or waiting on a backend that keeps failing; a probe closes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("hicache.controller")
+
+
+class CircuitBreaker:
+    """Closed (healthy) until `threshold` consecutive failures; then open for `cooldown_s`,
+    during which `allow()` is False; then one probe decides (half-open)."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._threshold = threshold
+        self._cooldown = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._mu = threading.Lock()
+        self.trips = 0
+
+    @property
+    def is_open(self) -> bool:
+        with self._mu:
+            return self._opened_at is not None
+
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now (one probe after the cooldown)."""
+        with self._mu:
+            if self._opened_at is None:
+                return True
+            if self._clock() - self._opened_at >= self._cooldown:
+                self._opened_at = self._clock()  # the caller is the probe; others wait
+                return True
+            return False
+
+    def success(self) -> None:
+        with self._mu:
+            self._failures = 0
+            self._opened_at = None
+
+    def failure(self) -> None:
+        with self._mu:
+            self._failures += 1
+            if self._failures >= self._threshold and self._opened_at is None:
+                self._opened_at = self._clock()
+                self.trips += 1
+                log.warning("L3 circuit breaker open after %d failures", self._failures)
+
+
+class ExistenceCache:
+    """Keys known present in L3 (bounded LRU) and known absent (short TTL), so a request
+    does not cost an existence round trip per page it already asked about."""
+
+    def __init__(self, capacity: int = 1 << 18, negative_ttl_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._present: OrderedDict[str, None] = OrderedDict()
+        self._absent: dict[str, float] = {}
+        self._capacity = capacity
+        self._ttl = negative_ttl_s
+        self._clock = clock
+        self._mu = threading.Lock()
+
+    def known_run(self, keys: list[str]) -> tuple[int, bool]:
+        """(n, stop): the first n keys are known present; stop=True if keys[n] is known
+        absent (no need to ask the backend)."""
+        now = self._clock()
+        with self._mu:
+            n = 0
+            for key in keys:
+                if key in self._present:
+                    self._present.move_to_end(key)
+                    n += 1
+                    continue
+                expiry = self._absent.get(key)
+                return n, expiry is not None and expiry > now
+            return n, False
+
+    def add_present(self, keys: list[str]) -> None:
+        with self._mu:
+            for key in keys:
+                self._present[key] = None
+                self._present.move_to_end(key)
+                self._absent.pop(key, None)
+            while len(self._present) > self._capacity:
+                self._present.popitem(last=False)
+
+    def add_absent(self, key: str) -> None:
+        with self._mu:
+            self._absent[key] = self._clock() + self._ttl
+            self._present.pop(key, None)
+            if len(self._absent) > self._capacity:
+                now = self._clock()
+                self._absent = {k: t for k, t in self._absent.items() if t > now}
+
+    def forget(self, keys: list[str]) -> None:
+        with self._mu:
+            for key in keys:
+                self._present.pop(key, None)
+
+
+@dataclass
+class Job:
+    name: str
+    run: Callable[[], None]
+    on_give_up: Callable[[BaseException], None]
+    attempts: int = 0
+
+
+class Worker:
+    """One thread draining a bounded queue of jobs. `submit` never blocks: a full queue
+    is reported to the caller (who counts a dropped job)."""
+
+    def __init__(self, name: str, capacity: int = 1024, retries: int = 3,
+                 backoff_s: float = 0.05) -> None:
+        self.name = name
+        self._queue: queue.Queue[Job | None] = queue.Queue(capacity)
+        self._retries = retries
+        self._backoff = backoff_s
+        self._thread = threading.Thread(target=self._loop, name=f"hicache-{name}", daemon=True)
+        self._idle = threading.Condition()
+        self._busy = 0
+        self.failures = 0
+        self.completed = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        with self._idle:
+            self._busy += 1
+        try:
+            self._queue.put_nowait(job)
+            return True
+        except queue.Full:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+            return False
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every submitted job finished; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            while True:
+                try:
+                    job.run()
+                    self.completed += 1
+                    break
+                except BaseException as e:
+                    job.attempts += 1
+                    self.failures += 1
+                    if job.attempts > self._retries:
+                        log.warning("%s: giving up on %s after %d attempts: %s",
+                                    self.name, job.name, job.attempts, e)
+                        try:
+                            job.on_give_up(e)
+                        except Exception:
+                            log.exception("%s: give-up handler of %s failed", self.name, job.name)
+                        break
+                    time.sleep(self._backoff * (2 ** (job.attempts - 1)))
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()

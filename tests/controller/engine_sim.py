@@ -1,0 +1,130 @@
+"""A test engine: writes KV whose bytes are a function of (namespace, page hash, layer,
+member) into the L1 pages it is given, and checks every reused page byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from hicache.config import HicacheConfig, build_config
+from hicache.controller.base import InsertRequest, MatchRequest
+from hicache.controller.controller import HybridCacheController
+from hicache.keys import chain_hashes, chain_seed
+from hicache.types import ComponentKind
+
+MAMBA = ComponentKind.MAMBA
+
+
+def tiny_config(tmp_path, *, hybrid: bool = False, sidecar: bool = False, backend: str = "file",
+                l1_tokens: int = 64 * 4, **sets: object) -> HicacheConfig:
+    comps: dict = {"full": {"layers": 2, "bytes_per_token_per_layer": 8}}
+    sidecars: dict = {}
+    if sidecar:
+        sidecars = {"indexer": {"anchor": "full", "layers": 2, "bytes_per_token_per_layer": 2}}
+    if hybrid:
+        comps["swa"] = {"layers": 2, "bytes_per_token_per_layer": 8, "window_tokens": 8}
+        comps["mamba"] = {"layers": 2, "state_bytes_per_layer": 64}
+        sidecars = {
+            "indexer": {"anchor": "full", "layers": 2, "bytes_per_token_per_layer": 2},
+            "conv": {"anchor": "mamba", "layers": 1, "state_bytes_per_layer": 32},
+        }
+    raw: dict = {
+        "model": {"page_size": 4, "components": comps, "sidecars": sidecars},
+        "tiers": {"l1": {"tokens": l1_tokens, "mamba_slots": 16}, "l2": {"ratio": 2, "reserve_gb": 0}},
+        "prefetch": {"threshold_tokens": 4, "policy": "wait_complete"},
+        "storage": {"backend": backend, "file": {"path": str(tmp_path / "l3")}, "timeout_s": 2},
+        "metrics": {"port": 0},
+    }
+    for key, value in sets.items():
+        node = raw
+        parts = key.split("__")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return build_config(raw)
+
+
+def toks(ids) -> bytes:
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+class Engine:
+    def __init__(self, ctl: HybridCacheController, engine_id: str = "e1", namespace: str = "") -> None:
+        self.ctl = ctl
+        self.id = engine_id
+        self.ns = namespace
+        self.cfg = ctl.cfg
+        self.ps = self.cfg.model.page_size
+        ctl.attach(engine_id, 0, 1)
+        self.checked = 0
+
+    def hashes(self, tokens: bytes) -> list[bytes]:
+        blob = chain_hashes(chain_seed(self.ns, self.cfg.model.id, self.cfg.model.kv_dtype), tokens, self.ps * 4)
+        return [blob[i : i + 16] for i in range(0, len(blob), 16)]
+
+    def pattern(self, page_hash: bytes, member: str, layer: int, size: int) -> np.ndarray:
+        seed = hashlib.sha256(page_hash + member.encode() + bytes([layer])).digest()
+        return np.frombuffer((seed * (size // 32 + 1))[:size], dtype=np.uint8)
+
+    def _rows(self, member: str, layer: int) -> np.ndarray:
+        return self.ctl.device.layer(member, layer).numpy()
+
+    def write(self, pages: dict[str, np.ndarray], tokens: bytes, start_page: int) -> None:
+        hs = self.hashes(tokens)
+        for m in self.cfg.model.members:
+            ids = pages[m.name]
+            for layer in range(m.layers):
+                rows = self._rows(m.name, layer)
+                if m.component is MAMBA:
+                    rows[int(ids[0])] = self.pattern(hs[-1] + b"state", m.name, layer, rows.shape[1])
+                    continue
+                for i, pid in enumerate(ids[: len(hs) - start_page]):
+                    rows[int(pid)] = self.pattern(hs[start_page + i], m.name, layer, rows.shape[1])
+
+    def verify(self, pages: dict[str, np.ndarray], tokens: bytes, n_pages: int) -> None:
+        """Every reused page byte for byte (SWA: only pages it holds, -1 is a tombstone)."""
+        hs = self.hashes(tokens)
+        for m in self.cfg.model.members:
+            ids = pages[m.name]
+            for layer in range(m.layers):
+                rows = self._rows(m.name, layer)
+                if m.component is MAMBA:
+                    if len(ids):
+                        want = self.pattern(hs[n_pages - 1] + b"state", m.name, layer, rows.shape[1])
+                        assert np.array_equal(rows[int(ids[0])], want), f"{m.name} checkpoint wrong"
+                        self.checked += 1
+                    continue
+                assert len(ids) == n_pages, (m.name, len(ids), n_pages)
+                for i, pid in enumerate(ids):
+                    if pid < 0:
+                        continue
+                    want = self.pattern(hs[i], m.name, layer, rows.shape[1])
+                    assert np.array_equal(rows[int(pid)], want), f"{m.name} page {i} layer {layer} wrong"
+                    self.checked += 1
+
+    def request(self, tokens: bytes, *, checkpoint: bool = True, load: bool = True, prefetch: bool = False):
+        """One request's life: match (+allocate), load what L2 holds, write new KV, insert."""
+        total_pages = len(tokens) // (self.ps * 4)
+        m = self.ctl.match(self.id, MatchRequest(self.ns, tokens, lock=True, prefetch=prefetch,
+                                                 allocate_tokens=len(tokens) // 4))
+        reused = m.device_tokens
+        self.verify(m.device_pages, tokens, reused // self.ps)
+        device_pages = m.device_pages
+        if load and m.host_tokens:
+            *_, last = list(self.ctl.load(self.id, m.lock_id))
+            assert last.device_pages is not None and last.device_tokens is not None
+            reused = last.device_tokens
+            device_pages = last.device_pages
+            self.verify(device_pages, tokens, reused // self.ps)
+        start = reused // self.ps
+        skip = max(0, start - m.device_tokens // self.ps)
+        mamba = {mb.name for mb in self.cfg.model.family(MAMBA)}
+        alloc = {name: ids if name in mamba else ids[skip:] for name, ids in m.pages.items()}
+        # The allocation starts at the match's device boundary; after a load it is ahead.
+        self.write(alloc, tokens, start)
+        out = self.ctl.insert(self.id, InsertRequest(self.ns, tokens, lock_id=m.lock_id,
+                                                     allocation_id=m.allocation_id,
+                                                     mamba_checkpoint=checkpoint))
+        assert out.inserted_tokens + out.reused_tokens == total_pages * self.ps
+        return m
