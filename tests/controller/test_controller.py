@@ -231,3 +231,47 @@ def test_lapsed_lease_releases_locks_and_allocations(make) -> None:
     assert ctl.expire_leases() == 1
     assert ctl.stats().counters["lease_released_allocations"] == 1
     assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
+
+
+def test_l2_to_l3_write_back_writes_on_eviction_and_frees_after(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_back")
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 0  # nothing goes down before eviction
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    assert ctl.transfers.backup_worker.drain(10)
+    ctl.check_integrity()  # the job freed the host pages it held
+    assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
+    assert ctl.stats().counters["backups_l3"] == 4
+
+
+def test_l2_to_l3_selective_waits_for_hits(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through_selective",
+               write__selective_threshold=3)
+    eng = Engine(ctl)
+    eng.request(seq(2))
+    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 0
+    for _ in range(3):
+        ctl.match("e1", MatchRequest("", seq(2)))
+    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 2
+
+
+def test_load_without_room_fails_cleanly_and_changes_nothing(make) -> None:
+    from hicache.errors import ResourceExhausted
+
+    ctl = make(write__l1_to_l2="write_through", storage__backend="none", l1_tokens=32)
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    evict_all(ctl, Tier.DEVICE)
+    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
+    hog = ctl.match("e1", MatchRequest("", seq(1, 777), lock=True, allocate_tokens=28))  # 7 of 8 pages
+    before = (ctl.tree.resident_pages(Tier.DEVICE, FULL), ctl.tree.resident_pages(Tier.HOST, FULL))
+    with pytest.raises(ResourceExhausted, match="L1 full"):
+        list(ctl.load("e1", m.lock_id))
+    assert before == (ctl.tree.resident_pages(Tier.DEVICE, FULL), ctl.tree.resident_pages(Tier.HOST, FULL))
+    ctl.release("e1", m.lock_id, None)
+    ctl.release("e1", hog.lock_id, hog.allocation_id)

@@ -1,0 +1,155 @@
+"""`hicache bench controller`: the controller against raw baselines, measured in one run.
+
+1. L3 -> L1 for a 32K-token prefix: prefetch (L3 -> L2) then load (L2 -> L1), against the
+   backend's own read of the same objects plus one contiguous copy of the same bytes.
+2. Serving-path latency (match with allocation + insert of a new 4K-token prompt) with a
+   healthy Redis L3 and with the same Redis stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache.bench.services import start_redis
+from hicache.config import HicacheConfig, build_config
+from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
+from hicache.controller.controller import HybridCacheController, build_controller
+from hicache.keys import chain_hashes, chain_seed
+from hicache.tiers.storage.base import GetStatus
+from hicache.types import ComponentKind, Tier
+
+FULL = ComponentKind.FULL
+PAGE = 64
+
+
+def _config(storage: dict, l1_tokens: int) -> HicacheConfig:
+    return build_config({
+        "model": {"page_size": PAGE, "components": {"full": {"layers": 4, "bytes_per_token_per_layer": 256}}},
+        "tiers": {"l1": {"tokens": l1_tokens}, "l2": {"ratio": 2, "reserve_gb": 0, "prefetch_fraction": 1.0}},
+        "write": {"l1_to_l2": "write_through", "l2_to_l3": "write_through"},
+        "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+        "storage": storage,
+        "metrics": {"port": 0},
+    })
+
+
+def _request(ctl: HybridCacheController, tokens: bytes) -> None:
+    m = ctl.match("bench", MatchRequest("", tokens, lock=True, allocate_tokens=len(tokens) // 4))
+    ctl.insert("bench", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+
+
+def _evict_all(ctl: HybridCacheController) -> None:
+    with ctl._mu:
+        for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
+            ctl.transfers._evict(tier, FULL, pools.allocator(FULL).total)
+
+
+def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 150_000, tokens_n, dtype=np.uint32).astype("<u4").tobytes()
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
+        cfg = _config({"backend": "file", "file": {"path": str(Path(tmp) / "l3")}}, tokens_n * 2)
+        ctl = build_controller(cfg, f"bench{int(time.time()) % 100000}")
+        try:
+            ctl.attach("bench", 0, 1)
+            _request(ctl, tokens)
+            assert ctl.transfers.backup_worker.drain(120)
+            l3 = ctl.l3
+            assert l3 is not None
+            members = cfg.model.family(FULL)
+            flat = chain_hashes(chain_seed("", cfg.model.id, cfg.model.kv_dtype), tokens, PAGE * 4)
+            keys = l3.keys("", [flat[i : i + 16] for i in range(0, len(flat), 16)], members)
+            n_pages = len(keys)
+            obj = ctl.host.object_bytes[members[0].name]
+            scratch = [np.empty(obj, dtype=np.uint8) for _ in keys]
+            payload = n_pages * members[0].bytes_per_page
+            dst = torch.empty(payload, dtype=torch.uint8)
+            src = torch.from_numpy(np.concatenate([s[64:] for s in scratch]))
+            ours: list[float] = []
+            raw: list[float] = []
+            for _ in range(repeat):
+                _evict_all(ctl)
+                l3.cache.forget(keys)
+                t0 = time.perf_counter()
+                m = ctl.match("bench", MatchRequest("", tokens, lock=True, prefetch=True))
+                op = ctl.prefetcher.get(m.prefetch_id)
+                assert op is not None
+                while ctl.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING:
+                    time.sleep(0.0005)
+                for _progress in ctl.load("bench", m.lock_id):
+                    pass
+                ours.append(time.perf_counter() - t0)
+                ctl.release("bench", m.lock_id, None)
+                t0 = time.perf_counter()
+                statuses = l3.backend.get_into(keys, scratch)
+                dst.copy_(src)
+                raw.append(time.perf_counter() - t0)
+                assert all(s is GetStatus.HIT for s in statuses)
+            ctl.check_integrity()
+        finally:
+            ctl.close()
+    o, r = statistics.median(ours), statistics.median(raw)
+    return {"tokens": tokens_n, "ours_s": o, "raw_s": r, "bytes": float(payload), "ratio": o / r}
+
+
+def serving(requests: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    server = start_redis()
+    try:
+        cfg = _config({"backend": "redis", "redis": {"url": server.url}, "timeout_s": 0.5}, 65536)
+        ctl = build_controller(cfg, f"benchs{int(time.time()) % 100000}")
+        try:
+            ctl.attach("bench", 0, 1)
+            prompts = [rng.integers(0, 150_000, 4096, dtype=np.uint32).astype("<u4").tobytes()
+                       for _ in range(2 * requests + 20)]
+
+            def run(batch: list[bytes]) -> float:
+                times = []
+                for tokens in batch:
+                    t0 = time.perf_counter()
+                    _request(ctl, tokens)
+                    times.append(time.perf_counter() - t0)
+                return statistics.mean(times[5:])
+
+            healthy = run(prompts[:requests])
+            server.stop(kill=True)
+            for tokens in prompts[requests : requests + 10]:  # let the breaker open
+                _request(ctl, tokens)
+            dead = run(prompts[requests + 10 : 2 * requests + 10])
+            assert ctl.l3 is not None and ctl.l3.breaker.is_open
+        finally:
+            ctl.close()
+    finally:
+        server.close()
+    return {"healthy_us": healthy * 1e6, "dead_us": dead * 1e6, "ratio": dead / healthy}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=32768, help="prefix brought from L3 to L1")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    load = l3_to_l1(args.tokens, args.repeat, args.seed)
+    print(f"L3->L1 {load['tokens']} tokens ({load['bytes'] / 2**20:.0f} MiB): ours {load['ours_s'] * 1e3:.1f} ms, "
+          f"raw read + one copy {load['raw_s'] * 1e3:.1f} ms -> {load['ratio']:.2f}x")
+    serve = serving(args.requests, args.seed)
+    print(f"serving path (match+allocate+insert, 4K tokens): healthy L3 {serve['healthy_us']:.0f} us, "
+          f"dead L3 {serve['dead_us']:.0f} us -> {serve['ratio']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "l3_to_l1": load, "serving": serve,
+            "ratios": {"l3_to_l1_vs_raw": load["ratio"], "serving_dead_l3_vs_healthy": serve["ratio"]},
+        }, indent=2))
+    return 0

@@ -1,0 +1,87 @@
+"""Fault injection with the real services: a backend dies in the middle of a stream of
+backups and prefetches. No worker dies, serving from L1/L2 goes on, health reports the
+backend down, and after a restart backups resume and new L3 hits appear."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from engine_sim import Engine, tiny_config, toks
+
+from hicache.controller.base import MatchRequest
+from hicache.controller.controller import build_controller
+from hicache.types import ComponentKind, Tier
+
+FULL = ComponentKind.FULL
+
+
+def seq(n_pages: int, base: int) -> bytes:
+    return toks(np.arange(base, base + n_pages * 4))
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _run_outage(ctl, stop, start) -> None:
+    ctl.probe_interval_s = 0.1
+    eng = Engine(ctl)
+    for i in range(3):
+        eng.request(seq(4, 1000 * i))
+    assert ctl.transfers.backup_worker.drain(15)
+    assert ctl.health(deep=True)[0].healthy
+    stop()
+    t0 = time.monotonic()
+    for i in range(3, 12):  # serving goes on while backups fail
+        eng.request(seq(4, 1000 * i))
+        ctl.match("e1", MatchRequest("", seq(4, 0)))
+    serving_s = time.monotonic() - t0
+    assert wait_for(lambda: ctl.l3.breaker.is_open), "breaker never opened"
+    assert not ctl.health(deep=True)[0].healthy
+    assert ctl.transfers.backup_worker.alive and ctl.prefetcher.worker.alive
+    assert serving_s < 30
+    before = ctl.stats().counters.get("backups_l3", 0)
+    start()
+    assert wait_for(lambda: not ctl.l3.breaker.is_open), "breaker never closed after restart"
+    eng.request(seq(4, 50_000))
+    assert wait_for(lambda: ctl.stats().counters.get("backups_l3", 0) > before), "backups did not resume"
+    assert ctl.transfers.backup_worker.drain(15)
+    with ctl._mu:
+        for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
+            ctl.transfers._evict(tier, FULL, pools.allocator(FULL).total)
+    assert wait_for(lambda: ctl.match("e1", MatchRequest("", seq(4, 50_000))).storage_tokens == 16)
+    ctl.check_integrity()
+
+
+def test_redis_stopped_mid_stream(tmp_path, redis_factory) -> None:
+    server = redis_factory()
+    cfg = tiny_config(tmp_path, backend="redis", storage__redis={"url": server.url},
+                      storage__timeout_s=1.0, write__l1_to_l2="write_through",
+                      write__l2_to_l3="write_through")
+    ctl = build_controller(cfg, f"faultr{int(time.time() * 1000) % 100000}")
+    try:
+        _run_outage(ctl, server.stop, server.start)
+    finally:
+        ctl.close()
+
+
+@pytest.mark.slow
+def test_mooncake_master_killed_mid_stream(tmp_path, mooncake_factory) -> None:
+    master = mooncake_factory()
+    cfg = tiny_config(tmp_path, backend="mooncake",
+                      storage__mooncake={"master": master.master, "metadata_server": master.metadata_server,
+                                         "global_segment_size": 64 << 20, "local_buffer_size": 16 << 20},
+                      storage__timeout_s=2.0, write__l1_to_l2="write_through",
+                      write__l2_to_l3="write_through")
+    ctl = build_controller(cfg, f"faultm{int(time.time() * 1000) % 100000}")
+    try:
+        _run_outage(ctl, lambda: master.stop(kill=True), master.start)
+    finally:
+        ctl.close()
