@@ -53,7 +53,9 @@ class Transfers:
         self.copier = copier
         self.cfg = ctl.cfg
         self.stats: Counter[str] = Counter()
-        self.backup_worker = Worker("backup", capacity=4096)
+        # L3 writes retry over ~6 s: long enough for a restarted store to come back
+        # (Mooncake remounts its segment about a second after its master restarts).
+        self.backup_worker = Worker("backup", capacity=4096, retries=5, backoff_s=0.2)
         self._in_flight: dict[ComponentKind, list[np.ndarray]] = {}  # host pages owned by jobs
 
     def start(self) -> None:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import yaml
 
 from hicache.config import HicacheConfig, load_config, to_plain
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache")
 
@@ -21,7 +23,10 @@ log = logging.getLogger("hicache")
 BENCHMARKS = {
     "tree": "radix tree: match / insert / evict cost on a multi-turn workload",
     "tiers": "L1<->L2 copies and L3 backends vs their raw baselines",
+    "controller": "L3->L1 prefix vs raw read+copy; serving latency with a dead L3",
     "gpu": "CUDA IPC export/import and pinned L1<->L2 copies vs plain torch copies",
+    "rpc": "gRPC control plane: empty call vs a request round, plain and batched",
+    "multiturn": "multi-turn serving against a real daemon: hit rate per round vs the ceiling",
 }
 
 
@@ -72,6 +77,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
+def _cmd_health(args: argparse.Namespace) -> int:
+    from hicache.ops import health_report
+
+    report, rc = health_report(_target(args), args.deep, _token(args))
+    print(json.dumps(report, indent=2) if args.json else _render_health(report))
+    return rc
+
+
+def _render_health(report: dict[str, Any]) -> str:
+    if "error" in report:
+        state = "ANSWERS" if report["reachable"] else "UNREACHABLE"
+        return f"daemon at {report['target']}: {state} ({report['error']})"
+    lines = [f"daemon at {report['target']}: {'SERVING' if report['serving'] else 'NOT_SERVING'}"]
+    for b in report["backends"]:
+        state = "healthy" if b["healthy"] else "UNHEALTHY"
+        lines.append(f"  {b['name']}: {state} {b['latency_ms']:.1f} ms {b['detail']}".rstrip())
+    if not report["backends"]:
+        lines.append("  (no L3 backend configured)")
+    return "\n".join(lines)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from hicache.ops import stats_report
+
+    report, rc = stats_report(_target(args), _token(args))
+    if args.json or rc:
+        print(json.dumps(report, indent=2))
+        return rc
+    lines = [f"{'tier':8} {'member':12} {'capacity':>10} {'used':>10} {'locked':>10}"]
+    for p in report["pools"]:
+        lines.append(
+            f"{p['tier']:8} {p['member']:12} {p['capacity_pages']:>10} {p['used_pages']:>10} "
+            f"{p['locked_pages']:>10}"
+        )
+    lines.append("")
+    lines.extend(f"{k}: {v}" for k, v in sorted(report["counters"].items()))
+    print("\n".join(lines))
+    return 0
+
+
+def _target(args: argparse.Namespace) -> str:
+    return args.target or load_config(args.config).server.listen
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if not args.token_file:
+        return None
+    with open(args.token_file) as fh:
+        return fh.read().strip()
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"hicache.bench.{args.bench_name}")
     rc: int = module.run(args)
@@ -89,6 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key by its dotted path, e.g. storage.backend=redis")
     s.set_defaults(func=_cmd_serve)
+
+    for name, help_text, func in (
+        ("health", "probe the daemon and its L3 backends (exit 0 ok, 1 unhealthy, 2 unreachable)",
+         _cmd_health),
+        ("stats", "pool usage and counters", _cmd_stats),
+    ):
+        h = sub.add_parser(name, help=help_text)
+        h.add_argument("--target", help="unix:///path or host:port (default: server.listen)")
+        h.add_argument("--config", help="hicache.yaml whose server.listen is the default target")
+        h.add_argument("--token-file", help="file holding a bearer token (TCP with tokens)")
+        h.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "health":
+            h.add_argument("--deep", action="store_true",
+                           help="canary write/read/verify/delete on each backend now")
+        h.set_defaults(func=func)
 
     c = sub.add_parser("config", help="configuration tools")
     csub = c.add_subparsers(dest="config_command", required=True)
@@ -128,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hicache: configuration error: {e}", file=sys.stderr)
         return 2
+    except HicacheError as e:
+        print(f"hicache: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

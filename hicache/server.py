@@ -1,30 +1,227 @@
-"""The daemon process: configuration -> tree and pools -> services, until a signal."""
+"""The daemon process: configuration -> controller -> gRPC services, until SIGTERM.
+
+`serve(cfg)` is `hicache serve`: it takes the socket lock, builds and starts the
+controller, then runs a `Daemon` (the gRPC server, the probe listener, metrics and the
+housekeeping loops) until SIGTERM/SIGINT. Shutdown order: health says NOT_SERVING, the
+server stops accepting and finishes in-flight calls (`STOP_GRACE_S`), the controller
+flushes write-back data to L3 within `server.shutdown_flush_s`, then closes (unlinking the
+shared memory); the socket file is removed and the process exits 0.
+
+Server model: the synchronous `grpc.server` over a thread pool. Measured here (2 cores,
+unix socket, one trivial unary handler, sync vs `grpc.aio` servers): p50 555-597 µs vs
+598-658 µs with one client, 1.4-1.9k vs 1.5-1.8k calls/s with 8 client processes: the same
+within noise. The core is synchronous and thread-safe, so aio would only add an executor
+hop per call (its handlers must not block the event loop).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+from collections.abc import Callable
+from concurrent import futures
 
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hicache.auth import Authenticator
 from hicache.config import HicacheConfig
+from hicache.controller.base import CacheService
+from hicache.endpoint import Endpoint, SocketLock, parse_address
+from hicache.errors import FailedPrecondition
+from hicache.interceptor import ServerInterceptor
+from hicache.metrics import Metrics
+from hicache.pb.hicache.v1 import admin_pb2, admin_pb2_grpc, hicache_pb2, hicache_pb2_grpc
+from hicache.service import AdminServicer, HiCacheServicer
 
 log = logging.getLogger("hicache.server")
 
+HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+WORKERS = 32
+STOP_GRACE_S = 5.0
+HEALTH_REFRESH_S = 1.0
+MESSAGE_SLACK_BYTES = 1 << 20
 
-def serve(cfg: HicacheConfig, stop: threading.Event | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or `stop` is set); return the process exit code."""
+CoreFactory = Callable[[HicacheConfig, str], CacheService]
+
+
+def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
+    """Plaintext TCP only on loopback: anything else needs TLS."""
+    if endpoint.is_unix or endpoint.is_loopback or cfg.server.tls_cert:
+        return
+    raise FailedPrecondition(
+        f"server.listen={endpoint.address} is not a loopback address: TCP on it requires TLS "
+        f"(set server.tls_cert and server.tls_key) or listen on 127.0.0.1 / a unix socket"
+    )
+
+
+class Daemon:
+    """The gRPC side of a running daemon over a started core."""
+
+    def __init__(self, cfg: HicacheConfig, core: CacheService, endpoint: Endpoint) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.endpoint = endpoint
+        self.metrics = Metrics(core)
+        self.health = health.HealthServicer()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        limit = 4 * cfg.server.max_tokens_per_request + MESSAGE_SLACK_BYTES
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.so_reuseport", 0),  # a second daemon must not share the port
+        ]
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rpc"),
+            interceptors=[ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)],
+            options=options,
+        )
+        hicache_pb2_grpc.add_HiCacheServicer_to_server(
+            HiCacheServicer(core, cfg.server.max_tokens_per_request), self.server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminServicer(core, cfg.server.shutdown_flush_s), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (HICACHE_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            self.server,
+        )
+        self.probe_server: grpc.Server | None = None
+        self.metrics_port = 0
+
+    def start(self) -> None:
+        self._bind()
+        self._refresh_health()
+        self.server.start()
+        if self.endpoint.path is not None:
+            os.chmod(self.endpoint.path, self.cfg.server.socket_mode_bits)
+        if self.cfg.server.probe_listen:
+            self.probe_server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"),
+                options=[("grpc.so_reuseport", 0)],
+            )
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
+            if not self.probe_server.add_insecure_port(self.cfg.server.probe_listen):
+                raise FailedPrecondition(
+                    f"server.probe_listen={self.cfg.server.probe_listen}: cannot bind"
+                )
+            self.probe_server.start()
+        self.metrics_port = self.metrics.serve(self.cfg.metrics.port)
+        lease_s = self.cfg.server.lease_ms / 3e3
+        self._every("leases", lease_s, self.core.expire_leases)
+        self._every("health", HEALTH_REFRESH_S, self._refresh_health)
+
+    def _bind(self) -> None:
+        target = self.endpoint.target
+        if self.endpoint.path is not None:
+            # Create the socket file without group/other access; chmod sets the final mode.
+            old = os.umask(0o177)
+            try:
+                port = self.server.add_insecure_port(target)
+            finally:
+                os.umask(old)
+        elif self.cfg.server.tls_cert and self.cfg.server.tls_key:
+            with open(self.cfg.server.tls_key, "rb") as k, open(self.cfg.server.tls_cert, "rb") as c:
+                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+            port = self.server.add_secure_port(target, creds)
+        else:
+            port = self.server.add_insecure_port(target)
+        if not port:
+            raise FailedPrecondition(f"cannot listen on {self.endpoint.address} (in use?)")
+
+    def _refresh_health(self) -> None:
+        if self._stop.is_set():
+            return
+        overall = self.core.serving()
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        # Overall (readiness): NOT_SERVING while a required backend is down. The services
+        # themselves (liveness) keep SERVING: L1/L2 still work.
+        self.health.set("", serving if overall else not_serving)
+        self.health.set(HICACHE_SERVICE, serving)
+        self.health.set(ADMIN_SERVICE, serving)
+
+    def _every(self, name: str, interval_s: float, fn: Callable[[], object]) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    fn()
+                except Exception:  # housekeeping must outlive one failure
+                    log.exception("%s loop failed", name)
+
+        thread = threading.Thread(target=loop, name=f"hicache-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop accepting, finish in-flight calls, flush, close the core."""
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        if self.probe_server is not None:
+            self.probe_server.stop(STOP_GRACE_S)
+        self.server.stop(STOP_GRACE_S).wait()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.metrics.close()
+        try:
+            written = self.core.flush(self.cfg.server.shutdown_flush_s)
+            log.info("flushed %d pages to L3", written)
+        except Exception:
+            log.exception("shutdown flush failed; closing anyway")
+        self.core.close()
+
+
+def _default_core(cfg: HicacheConfig, instance: str) -> CacheService:
+    from hicache.controller.controller import build_controller
+
+    return build_controller(cfg, instance)  # started
+
+
+def serve(
+    cfg: HicacheConfig,
+    stop: threading.Event | None = None,
+    core_factory: CoreFactory = _default_core,
+) -> int:
+    """Run until SIGTERM/SIGINT (or `stop` is set); return the process exit code.
+    Raises `FailedPrecondition` (with a message for the operator) when it cannot start."""
+    endpoint = parse_address(cfg.server.listen)
+    check_security(cfg, endpoint)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    log.info(
-        "hicache daemon up: model=%s page_size=%d members=%s l1_pages=%d listen=%s",
-        cfg.model.id,
-        cfg.model.page_size,
-        ",".join(m.name for m in cfg.model.members),
-        cfg.l1_pages,
-        cfg.server.listen,
-    )
-    stop.wait()
+    lock = SocketLock(endpoint.path) if endpoint.path is not None else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        core = core_factory(cfg, endpoint.instance_name())
+        daemon = Daemon(cfg, core, endpoint)
+        try:
+            daemon.start()
+        except BaseException:
+            daemon.stop()
+            raise
+        log.info(
+            "hicache daemon ready: listen=%s model=%s page_size=%d members=%s metrics_port=%d",
+            endpoint.address,
+            cfg.model.id,
+            cfg.model.page_size,
+            ",".join(m.name for m in cfg.model.members),
+            daemon.metrics_port,
+        )
+        stop.wait()
+        log.info("hicache daemon stopping")
+        daemon.stop()
+    finally:
+        if lock is not None:
+            lock.release()
     log.info("hicache daemon stopped")
     return 0

@@ -1,0 +1,216 @@
+"""`hicache bench rpc`: what the gRPC control plane costs, against one empty call.
+
+One daemon (`hicache serve` as a subprocess, default geometry, a private unix socket) and,
+in one run:
+- *empty*: the standard grpc.health.v1 Check, the cheapest unary call the server has;
+- *round*: one request's whole life as an engine sends it: MatchPrefix (lock, allocate the
+  output's page) + Insert, for a 4,096-token prompt. Each round's prompt is a shared
+  prefix plus one round-specific page, so the match hits 4,032 tokens in L1 and the insert
+  adds one page: the steady state of a multi-turn workload;
+- *batched*: the same rounds, 16 at a time: one Batch of 16 MatchPrefix, one Batch of 16
+  Insert; the figure is per round (two calls / 16);
+- rounds per second with 1 and 8 client processes (each its own engine and connection).
+
+Ratios are per-round time over one empty call's, both medians of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hicache.client import Client, insert_op, match_op
+
+PROMPT_TOKENS = 4096
+BATCH = 16
+SEED = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calls", type=int, default=2000, help="timed empty calls and rounds")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--target", help="use a running daemon instead of starting one")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    xs = sorted(samples)
+    return {
+        "p50_us": statistics.median(xs) * 1e6,
+        "p99_us": xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e6,
+        "n": len(xs),
+    }
+
+
+def _timed(fn: Callable[[], object], n: int, warmup: int = 50) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+class Workload:
+    """Prompts of PROMPT_TOKENS tokens: a shared prefix plus one page unique to the round."""
+
+    def __init__(self, client: Client, page_size: int, salt: int) -> None:
+        self.client = client
+        self.page = page_size
+        rng = np.random.default_rng(SEED)
+        self.prefix = rng.integers(1, 1 << 30, PROMPT_TOKENS - page_size, dtype=np.uint32)
+        self.salt = salt
+        self.n = 0
+        self._prime()
+
+    def _prime(self) -> None:
+        """Make sure the shared prefix is in the tree (the first round of a conversation)."""
+        prefix = self.prefix.tobytes()
+        m = self.client.match(prefix, lock=True)
+        missing = len(self.prefix) - m.device_tokens
+        if not missing:
+            self.client.release(lock_id=m.lock_id)
+            return
+        a = self.client.allocate(missing, lock_id=m.lock_id)
+        self.client.insert(prefix, lock_id=m.lock_id, allocation_id=a.allocation_id)
+
+    def next_prompt(self) -> bytes:
+        self.n += 1
+        tail = np.full(self.page, (self.salt << 20) + self.n, dtype=np.uint32)
+        return np.concatenate([self.prefix, tail]).tobytes()
+
+    def round(self) -> None:
+        tokens = self.next_prompt()
+        m = self.client.match(tokens, lock=True, allocate_tokens=self.page)
+        self.client.insert(tokens, lock_id=m.lock_id, allocation_id=m.allocation_id)
+
+    def batched(self) -> None:
+        prompts = [self.next_prompt() for _ in range(BATCH)]
+        matches = self.client.batch(
+            [match_op(t, lock=True, allocate_tokens=self.page) for t in prompts]
+        )
+        inserts = [
+            insert_op(t, lock_id=m.lock_id, allocation_id=m.allocation_id)
+            for t, m in zip(prompts, matches, strict=True)
+        ]
+        for result in self.client.batch(inserts):
+            if isinstance(result, Exception):
+                raise result
+
+
+def _worker(target: str, salt: int, seconds: float, start_at: float, out: Any) -> None:
+    with Client(target, engine_id=f"bench-{salt}") as client:
+        work = Workload(client, client.attach(map_pools=False).info.page_size, salt)
+        for _ in range(20):
+            work.round()
+        while time.time() < start_at:
+            time.sleep(0.001)
+        done = 0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            work.round()
+            done += 1
+        out.put(done)
+
+
+def throughput(target: str, processes: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    start_at = time.time() + 2.0 + 0.3 * processes  # after every worker's start-up
+    procs = [
+        ctx.Process(target=_worker, args=(target, 100 + i, seconds, start_at, queue))
+        for i in range(processes)
+    ]
+    for p in procs:
+        p.start()
+    total = sum(queue.get(timeout=60 + seconds) for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def start_daemon(socket: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "hicache.cli", "serve", "--listen", f"unix://{socket}",
+           "--set", "metrics.port=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with Client(f"unix://{socket}", retries=0, timeout_s=1.0) as probe:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            try:
+                if probe.serving():
+                    return proc
+            except Exception:
+                time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("daemon did not become ready within 60 s")
+
+
+def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
+    with Client(target, engine_id="bench-main") as client:
+        page = client.attach(map_pools=False).info.page_size
+        work = Workload(client, page, salt=1)
+        empty = _timed(client.serving, args.calls)
+        rounds = _timed(work.round, args.calls)
+        batches = _timed(work.batched, max(20, args.calls // BATCH), warmup=5)
+    per_round = [t / BATCH for t in batches]
+    figures: dict[str, Any] = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "batch": BATCH,
+        "empty_call": _percentiles(empty),
+        "round": _percentiles(rounds),
+        "batched_round": _percentiles(per_round),
+        "rounds_per_s": {str(n): throughput(target, n, args.seconds) for n in args.processes},
+        "cpus": os.cpu_count(),
+    }
+    e = figures["empty_call"]["p50_us"]
+    figures["ratios"] = {
+        "round_vs_empty": figures["round"]["p50_us"] / e,
+        "batched_round_vs_empty": figures["batched_round"]["p50_us"] / e,
+    }
+    return figures
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.target:
+        figures = measure(args.target, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
+            socket = Path(tmp) / "bench.sock"
+            proc = start_daemon(socket)
+            try:
+                figures = measure(f"unix://{socket}", args)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    rows = [("empty call (health Check)", figures["empty_call"]),
+            (f"round: MatchPrefix+alloc + Insert, {PROMPT_TOKENS} tokens", figures["round"]),
+            (f"round in Batch of {BATCH} (per round)", figures["batched_round"])]
+    print(f"{'':52} {'p50 us':>9} {'p99 us':>9}")
+    for name, f in rows:
+        print(f"{name:52} {f['p50_us']:9.0f} {f['p99_us']:9.0f}")
+    for n, rate in figures["rounds_per_s"].items():
+        print(f"rounds/s with {n} client process(es): {rate:,.0f}")
+    r = figures["ratios"]
+    print(f"round / empty call: {r['round_vs_empty']:.2f}x (target <= 2.5x)")
+    print(f"batched round / empty call: {r['batched_round_vs_empty']:.2f}x (target <= 0.5x)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=2)
+    return 0

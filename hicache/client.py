@@ -1,0 +1,356 @@
+"""The engine-side library: talk to the per-node hicache daemon.
+
+    from hicache.client import Client
+
+    with Client("unix:///run/hicache/hicache.sock", engine_id="engine-0") as cache:
+        att = cache.attach()                         # geometry + mapped L1 pools
+        with cache.matched(tokens, allocate_tokens=n) as m:  # lock released on exit
+            ...  # reuse m.device_pages, write new KV into att.pools[member][layer][page]
+            cache.insert(tokens, lock_id=m.lock_id, allocation_id=m.allocation_id)
+
+Results are the core's frozen dataclasses (`MatchOutcome`, `InsertOutcome`, ...) with
+page ids as numpy arrays; failures are re-raised as `hicache.errors` types. After `attach`
+a background thread heartbeats every `lease_ms / 3`, so the daemon keeps this engine's
+locks and allocations; `close()` stops it. Calls that fail with UNAVAILABLE are retried a
+bounded number of times.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hicache import convert
+from hicache.client_errors import RETRYABLE, from_rpc_error, op_error
+from hicache.controller.base import (
+    AllocationInfo,
+    AttachInfo,
+    HeartbeatInfo,
+    InsertOutcome,
+    LoadProgress,
+    MatchOutcome,
+    PrefetchInfo,
+    StatsSnapshot,
+)
+from hicache.endpoint import parse_address
+from hicache.errors import HicacheError
+from hicache.pb.hicache.v1 import admin_pb2 as apb
+from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.service import ENGINE_HEADER
+from hicache.tiers.storage.base import BackendHealth
+
+log = logging.getLogger("hicache.client")
+
+Tokens = bytes | np.ndarray | Iterable[int]
+T = TypeVar("T")
+
+# BatchResult field -> how to read it.
+_RESULT_READERS: dict[str, Callable[[Any], Any]] = {
+    "attach": convert.attach_from_pb,
+    "heartbeat": convert.heartbeat_from_pb,
+    "match_prefix": convert.match_from_pb,
+    "prefetch_status": convert.prefetch_from_pb,
+    "cancel_prefetch": lambda r: r.tokens_ready,
+    "allocate": convert.allocation_from_pb,
+    "insert": convert.insert_from_pb,
+    "release": lambda _r: None,
+    "close_session": lambda r: r.released_refs,
+    "stats": convert.stats_from_pb,
+}
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What `attach` returns: the geometry, and each member's L1 pool mapped as
+    per-layer uint8 tensors ``[num_pages, bytes_per_page_per_layer]``."""
+
+    info: AttachInfo
+    pools: dict[str, tuple[torch.Tensor, ...]]
+
+
+class Client:
+    """One connection to a daemon. Thread-safe (gRPC channels are)."""
+
+    def __init__(
+        self,
+        target: str = "unix:///tmp/hicache.sock",
+        *,
+        engine_id: str | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+    ) -> None:
+        endpoint = parse_address(target)
+        self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        self.timeout_s = timeout_s
+        self.retries = retries
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        if root_certificates is not None or (not endpoint.is_unix and token and not endpoint.is_loopback):
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(endpoint.target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(endpoint.target, options=options)
+        self._auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        self._metadata: tuple[tuple[str, str], ...] = self._auth
+        self._stub = pb_grpc.HiCacheStub(self._channel)
+        self._admin = apb_grpc.AdminStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, fn: Callable[..., T], request: Any) -> T:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(request, metadata=self._metadata, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE or attempt == self.retries:
+                    raise from_rpc_error(e) from None
+                time.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+        self._channel.close()
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Block until the channel connects; `Unavailable` when it does not in time."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            from hicache.errors import Unavailable
+
+            raise Unavailable(f"daemon not reachable within {timeout_s} s") from None
+
+    # ------------------------------------------------------------------ engine lifecycle
+
+    def attach(self, tp_rank: int = 0, tp_size: int = 1, map_pools: bool = True) -> Attachment:
+        """Register this engine, map the L1 pools and start heartbeating."""
+        r = self._call(
+            self._stub.Attach,
+            pb.AttachRequest(engine_id=self.engine_id, tp_rank=tp_rank, tp_size=tp_size),
+        )
+        info = convert.attach_from_pb(r)
+        self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id))
+        pools: dict[str, tuple[torch.Tensor, ...]] = {}
+        if map_pools:
+            from hicache.tiers.device import attach_device_pools
+
+            pools = attach_device_pools(info.pools)
+        if self._heartbeat_thread is None:
+            self._start_heartbeat(info.lease_ms / 3e3)
+        return Attachment(info=info, pools=pools)
+
+    def heartbeat(self) -> HeartbeatInfo:
+        return convert.heartbeat_from_pb(
+            self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=self.engine_id))
+        )
+
+    def _start_heartbeat(self, interval_s: float) -> None:
+        def loop() -> None:
+            while not self._heartbeat_stop.wait(interval_s):
+                try:
+                    self.heartbeat()
+                except HicacheError as e:  # keep trying: the daemon may come back
+                    log.warning("heartbeat failed: %s", e)
+
+        self._heartbeat_thread = threading.Thread(target=loop, name="hicache-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    # ------------------------------------------------------------------ requests
+
+    def match(
+        self,
+        tokens: Tokens,
+        namespace: str = "",
+        *,
+        lock: bool = False,
+        prefetch: bool = False,
+        allocate_tokens: int | None = None,
+        session_id: str = "",
+        request_id: str = "",
+    ) -> MatchOutcome:
+        req = match_op(tokens, namespace, lock=lock, prefetch=prefetch,
+                       allocate_tokens=allocate_tokens, session_id=session_id,
+                       request_id=request_id).match_prefix
+        return convert.match_from_pb(self._call(self._stub.MatchPrefix, req))
+
+    def allocate(
+        self,
+        num_tokens: int,
+        namespace: str = "",
+        *,
+        lock_id: int | None = None,
+        allocation_id: int | None = None,
+    ) -> AllocationInfo:
+        req = pb.AllocateRequest(namespace=namespace, num_tokens=num_tokens,
+                                 lock_id=lock_id, allocation_id=allocation_id)
+        return convert.allocation_from_pb(self._call(self._stub.Allocate, req))
+
+    def insert(
+        self,
+        tokens: Tokens,
+        namespace: str = "",
+        *,
+        lock_id: int | None = None,
+        allocation_id: int | None = None,
+        session_id: str = "",
+        request_id: str = "",
+        mamba_checkpoint: bool = False,
+        keep_lock: bool = False,
+    ) -> InsertOutcome:
+        req = insert_op(tokens, namespace, lock_id=lock_id, allocation_id=allocation_id,
+                        session_id=session_id, request_id=request_id,
+                        mamba_checkpoint=mamba_checkpoint, keep_lock=keep_lock).insert
+        return convert.insert_from_pb(self._call(self._stub.Insert, req))
+
+    def release(self, *, lock_id: int | None = None, allocation_id: int | None = None) -> None:
+        self._call(self._stub.Release, release_op(lock_id=lock_id, allocation_id=allocation_id).release)
+
+    def load(self, lock_id: int) -> Iterator[LoadProgress]:
+        """Per-layer progress of moving a locked match's L2 part into L1; the last item
+        carries the device pages."""
+        try:
+            for msg in self._stub.Load(pb.LoadRequest(lock_id=lock_id), metadata=self._metadata,
+                                       timeout=self.timeout_s):
+                yield convert.load_from_pb(msg)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
+        r = self._call(self._stub.PrefetchStatus, pb.PrefetchStatusRequest(prefetch_id=prefetch_id))
+        return convert.prefetch_from_pb(r)
+
+    def cancel_prefetch(self, prefetch_id: int) -> int:
+        r = self._call(self._stub.CancelPrefetch, pb.CancelPrefetchRequest(prefetch_id=prefetch_id))
+        return int(r.tokens_ready)
+
+    def close_session(self, session_id: str) -> int:
+        r = self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        return int(r.released_refs)
+
+    def batch(self, ops: Sequence[pb.BatchOp]) -> list[Any]:
+        """Run ops (built with `match_op`, `insert_op`, ...) in one call. Each result is
+        the op's typed result, or the `HicacheError` it failed with (not raised)."""
+        r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops))
+        out: list[Any] = []
+        for result in r.results:
+            kind = result.WhichOneof("result")
+            if kind == "status":
+                out.append(op_error(result.status.code, result.status.message))
+            else:
+                out.append(_RESULT_READERS[kind](getattr(result, kind)))
+        return out
+
+    # ------------------------------------------------------------------ locks as context managers
+
+    @contextmanager
+    def matched(self, tokens: Tokens, namespace: str = "", **kwargs: Any) -> Iterator[MatchOutcome]:
+        """`match(lock=True)`; on exit releases the lock and any allocation that an
+        `insert` did not consume (already-released handles are fine)."""
+        m = self.match(tokens, namespace, lock=True, **kwargs)
+        try:
+            yield m
+        finally:
+            self._release_quietly(lock_id=m.lock_id)
+            self._release_quietly(allocation_id=m.allocation_id)
+
+    @contextmanager
+    def allocation(self, num_tokens: int, namespace: str = "", **kwargs: Any) -> Iterator[AllocationInfo]:
+        a = self.allocate(num_tokens, namespace, **kwargs)
+        try:
+            yield a
+        finally:
+            self._release_quietly(allocation_id=a.allocation_id)
+
+    def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0) -> None:
+        from hicache.errors import NotFound
+
+        if not (lock_id or allocation_id):
+            return
+        try:
+            self.release(lock_id=lock_id or None, allocation_id=allocation_id or None)
+        except NotFound:
+            return  # consumed by Insert (or released already)
+
+    # ------------------------------------------------------------------ operator calls
+
+    def stats(self) -> StatsSnapshot:
+        return convert.stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def health(self, deep: bool = False) -> tuple[BackendHealth, ...]:
+        return convert.health_from_pb(self._call(self._admin.Health, apb.HealthRequest(deep=deep)))
+
+    def flush(self, timeout_s: float = 0.0) -> int:
+        r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)))
+        return int(r.pages_written)
+
+    def serving(self, service: str = "") -> bool:
+        """The standard grpc.health.v1 status (overall by default)."""
+        r = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+# --------------------------------------------------------------------------- Batch ops
+
+
+def match_op(tokens: Tokens, namespace: str = "", *, lock: bool = False, prefetch: bool = False,
+             allocate_tokens: int | None = None, session_id: str = "",
+             request_id: str = "") -> pb.BatchOp:
+    return pb.BatchOp(match_prefix=pb.MatchPrefixRequest(
+        namespace=namespace, tokens=convert.tokens_to_bytes(tokens), session_id=session_id,
+        request_id=request_id, lock=lock, prefetch=prefetch, allocate_tokens=allocate_tokens))
+
+
+def insert_op(tokens: Tokens, namespace: str = "", *, lock_id: int | None = None,
+              allocation_id: int | None = None, session_id: str = "", request_id: str = "",
+              mamba_checkpoint: bool = False, keep_lock: bool = False) -> pb.BatchOp:
+    return pb.BatchOp(insert=pb.InsertRequest(
+        namespace=namespace, tokens=convert.tokens_to_bytes(tokens), lock_id=lock_id,
+        allocation_id=allocation_id, session_id=session_id, request_id=request_id,
+        mamba_checkpoint=mamba_checkpoint, keep_lock=keep_lock))
+
+
+def allocate_op(num_tokens: int, namespace: str = "", *, lock_id: int | None = None,
+                allocation_id: int | None = None) -> pb.BatchOp:
+    return pb.BatchOp(allocate=pb.AllocateRequest(
+        namespace=namespace, num_tokens=num_tokens, lock_id=lock_id, allocation_id=allocation_id))
+
+
+def release_op(*, lock_id: int | None = None, allocation_id: int | None = None) -> pb.BatchOp:
+    if (lock_id is None) == (allocation_id is None):
+        raise ValueError("release: give exactly one of lock_id or allocation_id")
+    if lock_id is not None:
+        return pb.BatchOp(release=pb.ReleaseRequest(lock_id=lock_id))
+    return pb.BatchOp(release=pb.ReleaseRequest(allocation_id=allocation_id))
+
+
+def close_session_op(session_id: str) -> pb.BatchOp:
+    return pb.BatchOp(close_session=pb.CloseSessionRequest(session_id=session_id))

@@ -1,0 +1,54 @@
+"""Client side of the status-code mapping: a gRPC status back to a `hicache.errors` type.
+
+The inverse of the daemon's interceptor: the code names come from each error class's
+`grpc_code_name`, so both directions read the same table. DEADLINE_EXCEEDED is `Unavailable`; codes with
+no typed error (UNIMPLEMENTED, ...) become a plain `HicacheError` naming the code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hicache import errors
+from hicache.errors import HicacheError
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+# The most general class per code (InvalidArgument, not ConfigError; Unavailable, not
+# BackendUnavailable).
+_BY_CODE: dict[str, type[HicacheError]] = {}
+for _cls in (
+    errors.InvalidArgument,
+    errors.NotFound,
+    errors.FailedPrecondition,
+    errors.ResourceExhausted,
+    errors.Unauthenticated,
+    errors.PermissionDenied,
+    errors.Unavailable,
+    errors.ObjectCorrupt,
+):
+    _BY_CODE[_cls.grpc_code_name] = _cls
+# A daemon that does not answer in time is, to the caller, not available.
+_BY_CODE["DEADLINE_EXCEEDED"] = errors.Unavailable
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
+    cls = _BY_CODE.get(code.name)
+    if cls is errors.Unavailable and code.name == "DEADLINE_EXCEEDED":
+        return cls(f"no answer in time ({message})")
+    if cls is None:
+        return HicacheError(f"{code.name}: {message}")
+    return cls(message)
+
+
+def from_rpc_error(e: grpc.RpcError) -> HicacheError:
+    """The typed error for a failed call (`grpc.RpcError` is also a `grpc.Call`)."""
+    code = e.code()  # type: ignore[attr-defined]
+    details = e.details() or ""  # type: ignore[attr-defined]
+    return error_for(code, details)
+
+
+def op_error(number: int, message: str) -> HicacheError:
+    """The typed error of a failed Batch op (`OpStatus`)."""
+    return error_for(_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message)

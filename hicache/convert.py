@@ -1,0 +1,403 @@
+"""Protobuf <-> the core's frozen request/result types, both directions.
+
+The servicers use the `*_to_pb` / `*_from_pb` pairs on the daemon side; the engine client
+uses the opposite ones, so both sides agree by construction. Page ids cross as numpy
+arrays in the core and `repeated uint32` on the wire: `ndarray.tolist()` into the message
+and `np.array(repeated)` out of it (both run in C; no per-element Python loop). Token ids
+stay `bytes` end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from hicache.config import MemberSpec
+from hicache.controller.base import (
+    AllocateRequest,
+    AllocationInfo,
+    AttachInfo,
+    HeartbeatInfo,
+    InsertOutcome,
+    InsertRequest,
+    LoadProgress,
+    MatchOutcome,
+    MatchRequest,
+    PagesByMember,
+    PoolUsage,
+    PrefetchInfo,
+    PrefetchState,
+    StatsSnapshot,
+)
+from hicache.errors import InvalidArgument
+from hicache.pb.hicache.v1 import admin_pb2 as apb
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.tiers.base import PoolDescriptor, PoolKind
+from hicache.tiers.storage.base import BackendHealth
+from hicache.types import ComponentKind
+
+TOKEN_DTYPE = np.dtype("<u4")
+TIERS = {"device": pb.DEVICE, "host": pb.HOST, "storage": pb.STORAGE}
+TIER_NAMES = {v: k for k, v in TIERS.items()}
+_POOL_KINDS = {PoolKind.SHM: pb.SHM, PoolKind.CUDA_IPC: pb.CUDA_IPC}
+_POOL_KIND_NAMES = {v: k for k, v in _POOL_KINDS.items()}
+_STATES = {s: getattr(pb, s.value) for s in PrefetchState}
+_STATE_NAMES = {v: k for k, v in _STATES.items()}
+_TIER_COUNTS = ("hit_tokens", "evictions", "backups")
+_PREFETCH_OUTCOMES = ("running", "done", "cancelled", "timed_out", "failed")
+_SINGLE_COUNTS = ("lookups", "l3_errors", "expired_leases")
+# Counter keys the core may use for the same figure (first one canonical).
+_TIER_ALIASES = {"device": ("device", "l1"), "host": ("host", "l2"), "storage": ("storage", "l3")}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    **{f"{n}_{t}": tuple(f"{n}_{a}" for a in al) for n in _TIER_COUNTS for t, al in _TIER_ALIASES.items()},
+    **{f"prefetches_{o}": (f"prefetches_{o}",) for o in _PREFETCH_OUTCOMES},
+    "lookups": ("lookups",),
+    "l3_errors": ("l3_errors",),
+    "expired_leases": ("expired_leases", "leases_expired"),
+}
+
+
+# --------------------------------------------------------------------------- tokens, pages
+
+
+def check_tokens(tokens: bytes, limit: int) -> bytes:
+    """Validate the wire form of token ids (4 bytes each, at most `limit` tokens)."""
+    if len(tokens) % 4:
+        raise InvalidArgument(
+            f"tokens: {len(tokens)} bytes is not a multiple of 4 (little-endian uint32 ids)"
+        )
+    if len(tokens) > 4 * limit:
+        raise InvalidArgument(
+            f"tokens: {len(tokens) // 4} tokens exceed server.max_tokens_per_request ({limit})"
+        )
+    return tokens
+
+
+def tokens_to_bytes(tokens: bytes | np.ndarray | Iterable[int]) -> bytes:
+    """Client side: any sequence of token ids as little-endian uint32 bytes."""
+    if isinstance(tokens, bytes):
+        return tokens
+    arr = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise InvalidArgument("tokens: ids must fit in uint32")
+    return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
+
+
+def pages_to_pb(pages: PagesByMember) -> list[pb.MemberPages]:
+    return [pb.MemberPages(member=name, page_ids=ids.tolist()) for name, ids in pages.items()]
+
+
+def pages_from_pb(pages: Iterable[pb.MemberPages]) -> dict[str, np.ndarray]:
+    return {p.member: np.array(p.page_ids, dtype=np.int64) for p in pages}
+
+
+def _opt(msg: object, name: str) -> int | None:
+    return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- Attach, Heartbeat
+
+
+def member_to_pb(m: MemberSpec) -> pb.Member:
+    return pb.Member(
+        name=m.name,
+        component=m.component.value,
+        anchor=m.anchor.value,
+        layers=m.layers,
+        bytes_per_page_per_layer=m.bytes_per_page_per_layer,
+        window_tokens=m.window_tokens,
+    )
+
+
+def member_from_pb(m: pb.Member) -> MemberSpec:
+    return MemberSpec(
+        name=m.name,
+        component=ComponentKind(m.component),
+        anchor=ComponentKind(m.anchor),
+        layers=m.layers,
+        bytes_per_page_per_layer=m.bytes_per_page_per_layer,
+        window_tokens=m.window_tokens,
+    )
+
+
+def pool_to_pb(d: PoolDescriptor, tp_rank: int) -> pb.Pool:
+    return pb.Pool(
+        member=d.member,
+        tp_rank=tp_rank,
+        kind=_POOL_KINDS[d.kind],
+        handle=d.handle,
+        device=d.device,
+        num_pages=d.num_pages,
+        layer_stride_bytes=d.layer_stride_bytes,
+        page_stride_bytes=d.page_stride_bytes,
+        layers=d.layers,
+        offset_bytes=d.offset_bytes,
+        size_bytes=d.size_bytes,
+        ref_counter_handle=d.ref_counter_handle,
+        ref_counter_offset=d.ref_counter_offset,
+        event_handle=d.event_handle,
+        event_sync_required=d.event_sync_required,
+    )
+
+
+def pool_from_pb(p: pb.Pool) -> PoolDescriptor:
+    return PoolDescriptor(
+        member=p.member,
+        kind=_POOL_KIND_NAMES[p.kind],
+        handle=p.handle,
+        device=p.device,
+        num_pages=p.num_pages,
+        layer_stride_bytes=p.layer_stride_bytes,
+        page_stride_bytes=p.page_stride_bytes,
+        layers=p.layers,
+        offset_bytes=p.offset_bytes,
+        size_bytes=p.size_bytes,
+        ref_counter_handle=p.ref_counter_handle,
+        ref_counter_offset=p.ref_counter_offset,
+        event_handle=p.event_handle,
+        event_sync_required=p.event_sync_required,
+    )
+
+
+def attach_to_pb(info: AttachInfo, tp_rank: int) -> pb.AttachResponse:
+    return pb.AttachResponse(
+        page_size=info.page_size,
+        members=[member_to_pb(m) for m in info.members],
+        pools=[pool_to_pb(d, tp_rank) for d in info.pools],
+        lease_ms=info.lease_ms,
+    )
+
+
+def attach_from_pb(r: pb.AttachResponse) -> AttachInfo:
+    return AttachInfo(
+        page_size=r.page_size,
+        members=tuple(member_from_pb(m) for m in r.members),
+        pools=tuple(pool_from_pb(p) for p in r.pools),
+        lease_ms=r.lease_ms,
+    )
+
+
+def heartbeat_to_pb(h: HeartbeatInfo) -> pb.HeartbeatResponse:
+    return pb.HeartbeatResponse(lease_ms=h.lease_ms, locks=h.locks, allocations=h.allocations)
+
+
+def heartbeat_from_pb(r: pb.HeartbeatResponse) -> HeartbeatInfo:
+    return HeartbeatInfo(lease_ms=r.lease_ms, locks=r.locks, allocations=r.allocations)
+
+
+# --------------------------------------------------------------------------- MatchPrefix, Load
+
+
+def match_request_from_pb(r: pb.MatchPrefixRequest, limit: int) -> MatchRequest:
+    return MatchRequest(
+        namespace=r.namespace,
+        tokens=check_tokens(r.tokens, limit),
+        session_id=r.session_id,
+        request_id=r.request_id,
+        lock=r.lock,
+        prefetch=r.prefetch,
+        allocate_tokens=_opt(r, "allocate_tokens"),
+    )
+
+
+def match_to_pb(m: MatchOutcome) -> pb.MatchPrefixResponse:
+    return pb.MatchPrefixResponse(
+        device_tokens=m.device_tokens,
+        host_tokens=m.host_tokens,
+        storage_tokens=m.storage_tokens,
+        device_pages=pages_to_pb(m.device_pages),
+        lock_id=m.lock_id,
+        prefetch_id=m.prefetch_id,
+        allocation_id=m.allocation_id,
+        pages=pages_to_pb(m.pages),
+    )
+
+
+def match_from_pb(r: pb.MatchPrefixResponse) -> MatchOutcome:
+    return MatchOutcome(
+        device_tokens=r.device_tokens,
+        host_tokens=r.host_tokens,
+        storage_tokens=r.storage_tokens,
+        device_pages=pages_from_pb(r.device_pages),
+        lock_id=r.lock_id,
+        prefetch_id=r.prefetch_id,
+        allocation_id=r.allocation_id,
+        pages=pages_from_pb(r.pages),
+    )
+
+
+def load_to_pb(p: LoadProgress) -> pb.LoadProgress:
+    msg = pb.LoadProgress(layers_ready=p.layers_ready, layers_total=p.layers_total)
+    if p.device_pages is not None:
+        msg.device_pages.extend(pages_to_pb(p.device_pages))
+    if p.device_tokens is not None:
+        msg.device_tokens = p.device_tokens
+    return msg
+
+
+def load_from_pb(r: pb.LoadProgress) -> LoadProgress:
+    last = r.layers_ready >= r.layers_total
+    return LoadProgress(
+        layers_ready=r.layers_ready,
+        layers_total=r.layers_total,
+        device_pages=pages_from_pb(r.device_pages) if last else None,
+        device_tokens=r.device_tokens if last else None,
+    )
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+def prefetch_to_pb(p: PrefetchInfo) -> pb.PrefetchStatusResponse:
+    return pb.PrefetchStatusResponse(
+        state=_STATES[p.state], tokens_ready=p.tokens_ready, tokens_total=p.tokens_total
+    )
+
+
+def prefetch_from_pb(r: pb.PrefetchStatusResponse) -> PrefetchInfo:
+    return PrefetchInfo(
+        state=_STATE_NAMES[r.state], tokens_ready=r.tokens_ready, tokens_total=r.tokens_total
+    )
+
+
+# --------------------------------------------------------------------------- Allocate, Insert
+
+
+def allocate_request_from_pb(r: pb.AllocateRequest) -> AllocateRequest:
+    return AllocateRequest(
+        namespace=r.namespace,
+        num_tokens=r.num_tokens,
+        lock_id=_opt(r, "lock_id"),
+        allocation_id=_opt(r, "allocation_id"),
+    )
+
+
+def allocation_to_pb(a: AllocationInfo) -> pb.AllocateResponse:
+    return pb.AllocateResponse(allocation_id=a.allocation_id, pages=pages_to_pb(a.pages))
+
+
+def allocation_from_pb(r: pb.AllocateResponse) -> AllocationInfo:
+    return AllocationInfo(allocation_id=r.allocation_id, pages=pages_from_pb(r.pages))
+
+
+def insert_request_from_pb(r: pb.InsertRequest, limit: int) -> InsertRequest:
+    return InsertRequest(
+        namespace=r.namespace,
+        tokens=check_tokens(r.tokens, limit),
+        lock_id=_opt(r, "lock_id"),
+        allocation_id=_opt(r, "allocation_id"),
+        session_id=r.session_id,
+        request_id=r.request_id,
+        mamba_checkpoint=r.mamba_checkpoint,
+        keep_lock=r.keep_lock,
+    )
+
+
+def insert_to_pb(o: InsertOutcome) -> pb.InsertResponse:
+    return pb.InsertResponse(inserted_tokens=o.inserted_tokens, reused_tokens=o.reused_tokens)
+
+
+def insert_from_pb(r: pb.InsertResponse) -> InsertOutcome:
+    return InsertOutcome(inserted_tokens=r.inserted_tokens, reused_tokens=r.reused_tokens)
+
+
+def release_target(r: pb.ReleaseRequest) -> tuple[int | None, int | None]:
+    """(lock_id, allocation_id): exactly one is set."""
+    which = r.WhichOneof("target")
+    if which is None:
+        raise InvalidArgument("Release: set exactly one of lock_id or allocation_id")
+    return (r.lock_id, None) if which == "lock_id" else (None, r.allocation_id)
+
+
+# --------------------------------------------------------------------------- Stats, Health
+
+
+def canonical_counters(raw: Mapping[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """Split the core's counters into the figures the wire carries (canonical keys such
+    as `hit_tokens_device`, `backups_storage`, `prefetches_done`, `expired_leases`) and
+    the rest (the core's own extras, e.g. `backups_l3_failed`)."""
+    used: set[str] = set()
+    canonical: dict[str, int] = {}
+    for key, aliases in _ALIASES.items():
+        canonical[key] = sum(raw.get(a, 0) for a in aliases)
+        used.update(aliases)
+    return canonical, {k: v for k, v in raw.items() if k not in used}
+
+
+def stats_to_pb(s: StatsSnapshot) -> pb.StatsResponse:
+    c, _extras = canonical_counters(s.counters)
+    tiers = {
+        name: pb.TierCounts(**{t: c.get(f"{name}_{t}", 0) for t in TIERS}) for name in _TIER_COUNTS
+    }
+    counters = pb.Counters(
+        prefetches=pb.PrefetchCounts(
+            **{o: c.get(f"prefetches_{o}", 0) for o in _PREFETCH_OUTCOMES}
+        ),
+        **tiers,
+    )
+    for key in _SINGLE_COUNTS:
+        setattr(counters, key, c.get(key, 0))
+    pools = [
+        pb.PoolStats(
+            tier=TIERS[p.tier],
+            member=p.member,
+            capacity_pages=p.capacity_pages,
+            used_pages=p.used_pages,
+            locked_pages=p.locked_pages,
+        )
+        for p in s.pools
+    ]
+    return pb.StatsResponse(pools=pools, counters=counters)
+
+
+def stats_from_pb(r: pb.StatsResponse) -> StatsSnapshot:
+    counters: dict[str, int] = {k: getattr(r.counters, k) for k in _SINGLE_COUNTS}
+    for name in _TIER_COUNTS:
+        group = getattr(r.counters, name)
+        counters.update({f"{name}_{t}": getattr(group, t) for t in TIERS})
+    counters.update(
+        {f"prefetches_{o}": getattr(r.counters.prefetches, o) for o in _PREFETCH_OUTCOMES}
+    )
+    pools = tuple(
+        PoolUsage(
+            tier=TIER_NAMES[p.tier],
+            member=p.member,
+            capacity_pages=p.capacity_pages,
+            used_pages=p.used_pages,
+            locked_pages=p.locked_pages,
+        )
+        for p in r.pools
+    )
+    return StatsSnapshot(pools=pools, counters=counters)
+
+
+def health_to_pb(backends: Iterable[BackendHealth]) -> apb.HealthResponse:
+    return apb.HealthResponse(
+        backends=[
+            apb.BackendHealth(
+                name=b.name,
+                healthy=b.healthy,
+                latency_ms=b.latency_ms,
+                detail=b.detail,
+                capacity_bytes=b.capacity_bytes or 0,
+                used_bytes=b.used_bytes or 0,
+            )
+            for b in backends
+        ]
+    )
+
+
+def health_from_pb(r: apb.HealthResponse) -> tuple[BackendHealth, ...]:
+    return tuple(
+        BackendHealth(
+            name=b.name,
+            healthy=b.healthy,
+            latency_ms=b.latency_ms,
+            detail=b.detail,
+            capacity_bytes=b.capacity_bytes or None,
+            used_bytes=b.used_bytes or None,
+        )
+        for b in r.backends
+    )
+

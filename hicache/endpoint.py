@@ -1,0 +1,120 @@
+"""Listen addresses: parsing, the loopback rule for plaintext TCP, and the socket lock.
+
+An address is `unix:///absolute/path` or `host:port` (IPv6 as `[::1]:port`). A unix socket
+is guarded by an exclusive `flock` on `<path>.lock`: a second daemon on the same path
+fails to take it and refuses to start; a socket file left by a killed daemon (its lock died
+with it) is replaced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import ipaddress
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicache.errors import FailedPrecondition, InvalidArgument
+
+UNIX_PREFIX = "unix://"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    address: str  # as configured
+    path: Path | None  # unix socket path, or None for TCP
+    host: str = ""
+    port: int = 0
+
+    @property
+    def is_unix(self) -> bool:
+        return self.path is not None
+
+    @property
+    def target(self) -> str:
+        """The gRPC target string for this address (client and server side)."""
+        return f"unix://{self.path}" if self.path is not None else f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.path is not None:
+            return True
+        host = self.host.strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    def instance_name(self) -> str:
+        """A name for this daemon's shared-memory segments, unique per listen address
+        (letters, digits, '_' and '.' only)."""
+        base = self.path.name if self.path is not None else f"tcp{self.port}"
+        stem = re.sub(r"[^A-Za-z0-9_]", "_", base)[:32] or "hicache"
+        digest = hashlib.sha1(self.address.encode()).hexdigest()[:8]
+        return f"{stem}_{digest}"
+
+
+def parse_address(address: str) -> Endpoint:
+    if address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX) :]
+        if not path.startswith("/"):
+            raise InvalidArgument(f"{address!r}: a unix socket address is unix:///absolute/path")
+        return Endpoint(address=address, path=Path(path))
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{address!r} is neither unix:///path nor host:port")
+    return Endpoint(address=address, path=None, host=host, port=int(port))
+
+
+class SocketLock:
+    """Exclusive ownership of a unix socket path for the life of this process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock and clear a stale socket file; `FailedPrecondition` when another
+        live daemon holds it or the path is something other than a socket."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"another hicache daemon (pid {owner}) is serving unix://{self.path}; "
+                f"refusing to start a second one on the same socket"
+            ) from None
+        try:
+            if self.path.exists() or self.path.is_symlink():
+                if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                    raise FailedPrecondition(
+                        f"{self.path} exists and is not a socket; refusing to replace it"
+                    )
+                self.path.unlink()  # left by a daemon that died: its lock went with it
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        """Remove the socket file, then drop the lock (the lock file stays: unlinking it
+        would let a newcomer lock a fresh file while someone still holds the old one)."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+            os.ftruncate(self._fd, 0)
+        finally:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,155 @@
+"""The one place where exceptions become gRPC status codes (and RPC latency is measured).
+
+Every call goes through `ServerInterceptor`:
+1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
+   call; a request with a `namespace` field is checked against it before the servicer runs
+   (ops inside `Batch` are checked by the Batch servicer with the same principal);
+2. the servicer;
+3. a typed `HicacheError` → its status code and message; anything else → `INTERNAL`, with
+   the traceback logged, and the daemon keeps serving;
+4. the latency, by method and final code, into `hicache_rpc_seconds`.
+
+`status_of` is the mapping itself; the Batch servicer uses it for per-op statuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from hicache.auth import Authenticator, reset_current_principal, set_current_principal
+from hicache.errors import HicacheError
+from hicache.metrics import RpcMetrics
+
+log = logging.getLogger("hicache.rpc")
+
+# Services callable without credentials: the standard health check (probes, `hicache health`
+# against a daemon whose tokens the prober does not hold). It reveals only SERVING or not.
+UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an exception raised while serving a request."""
+    if isinstance(exc, HicacheError):
+        code = getattr(grpc.StatusCode, exc.grpc_code_name, grpc.StatusCode.INTERNAL)
+        return code, str(exc) or type(exc).__name__
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); see the daemon log"
+
+
+class ServerInterceptor(grpc.ServerInterceptor):
+    def __init__(self, auth: Authenticator, metrics: RpcMetrics | None) -> None:
+        self._auth = auth
+        self._metrics = metrics
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
+        self._lock = threading.Lock()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        try:
+            return self._wrapped[method]
+        except KeyError:
+            pass
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: UNIMPLEMENTED, and not cached (names are free)
+            return None
+        wrapped = self._wrap(method, handler)
+        with self._lock:
+            self._wrapped[method] = wrapped
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        label = method.lstrip("/")
+        service = label.split("/", 1)[0]
+        auth = self._auth if self._auth.enabled and service not in UNAUTHENTICATED_SERVICES else None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(label, auth, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(label, auth, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # streaming requests: none in our services (reflection's is left as is)
+
+    def _unary(
+        self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        metrics = self._metrics
+
+        def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+            start = time.perf_counter()
+            code = "OK"
+            token = None
+            try:
+                if auth is not None:
+                    token = _authorize(auth, request, context)
+                return inner(request, context)
+            except Exception as exc:
+                status, message = status_of(exc)
+                code = status.name
+                if status is grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed unexpectedly", label)
+                context.abort(status, message)
+            finally:
+                if token is not None:
+                    reset_current_principal(token)
+                if metrics is not None:
+                    metrics.observe(label, code, time.perf_counter() - start)
+
+        return behavior
+
+    def _stream(
+        self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Iterator[Any]]
+    ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+        metrics = self._metrics
+
+        def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            start = time.perf_counter()
+            code = "OK"
+            token = None
+            try:
+                if auth is not None:
+                    token = _authorize(auth, request, context)
+                yield from inner(request, context)
+            except Exception as exc:
+                status, message = status_of(exc)
+                code = status.name
+                if status is grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed unexpectedly", label)
+                context.abort(status, message)
+            finally:
+                if token is not None:
+                    reset_current_principal(token)
+                if metrics is not None:
+                    metrics.observe(label, code, time.perf_counter() - start)
+
+        return behavior
+
+
+def _authorize(auth: Authenticator, request: Any, context: grpc.ServicerContext) -> Any:
+    principal = auth.authenticate(context.invocation_metadata())  # type: ignore[arg-type]
+    namespace = getattr(request, "namespace", None)
+    if isinstance(namespace, str):
+        principal.require(namespace)
+    return set_current_principal(principal)
+
+
+def op_status(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
+    """`status_of` for one op of a Batch: logs unexpected exceptions like a failed call."""
+    status, message = status_of(exc)
+    if status is grpc.StatusCode.INTERNAL:
+        log.error("%s failed unexpectedly", where, exc_info=exc)
+    return status, message

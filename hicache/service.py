@@ -1,0 +1,175 @@
+"""The gRPC servicers: protobuf -> one core call -> protobuf, nothing else.
+
+Errors are not handled here: the core raises typed `hicache.errors`, and the interceptor
+turns them into status codes. The one exception is `Batch`, whose ops each get a result
+(a response or an `OpStatus`) so that one failing op does not fail the others; it uses the
+interceptor's own mapping (`op_status`) and checks each op's namespace like the
+interceptor checks a plain call's.
+
+The engine's id comes from the `x-hicache-engine` metadata header (sent by the client
+after `Attach`); Attach and Heartbeat carry it in the request instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from hicache import convert
+from hicache.auth import current_principal
+from hicache.controller.base import CacheService
+from hicache.errors import InvalidArgument
+from hicache.interceptor import op_status
+from hicache.pb.hicache.v1 import admin_pb2 as apb
+from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
+
+log = logging.getLogger("hicache.service")
+
+ENGINE_HEADER = "x-hicache-engine"
+
+Op = Callable[[str, Any], Any]
+"""One op: (engine_id, request message) -> response message."""
+
+
+def engine_of(context: grpc.ServicerContext) -> str:
+    """The caller's engine id from the metadata, "" when it sent none."""
+    for key, value in context.invocation_metadata():  # type: ignore[misc]
+        if key == ENGINE_HEADER:
+            return value if isinstance(value, str) else value.decode()
+    return ""
+
+
+class HiCacheServicer(pb_grpc.HiCacheServicer):
+    """The engine-facing service over one `CacheService`."""
+
+    def __init__(self, core: CacheService, max_tokens_per_request: int) -> None:
+        self._core = core
+        self._limit = max_tokens_per_request
+        # BatchOp's oneof field name -> op; also what each unary RPC calls.
+        self._ops: dict[str, Op] = {
+            "attach": self._attach,
+            "heartbeat": self._heartbeat,
+            "match_prefix": self._match,
+            "prefetch_status": self._prefetch_status,
+            "cancel_prefetch": self._cancel_prefetch,
+            "allocate": self._allocate,
+            "insert": self._insert,
+            "release": self._release,
+            "close_session": self._close_session,
+            "stats": self._stats,
+        }
+
+    # ------------------------------------------------------------------ ops
+
+    def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
+        return convert.attach_to_pb(self._core.attach(r.engine_id, r.tp_rank, r.tp_size), r.tp_rank)
+
+    def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        return convert.heartbeat_to_pb(self._core.heartbeat(r.engine_id))
+
+    def _match(self, engine: str, r: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
+        req = convert.match_request_from_pb(r, self._limit)
+        return convert.match_to_pb(self._core.match(engine, req))
+
+    def _prefetch_status(self, _e: str, r: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
+        return convert.prefetch_to_pb(self._core.prefetch_status(r.prefetch_id))
+
+    def _cancel_prefetch(self, _e: str, r: pb.CancelPrefetchRequest) -> pb.CancelPrefetchResponse:
+        return pb.CancelPrefetchResponse(tokens_ready=self._core.cancel_prefetch(r.prefetch_id))
+
+    def _allocate(self, engine: str, r: pb.AllocateRequest) -> pb.AllocateResponse:
+        req = convert.allocate_request_from_pb(r)
+        return convert.allocation_to_pb(self._core.allocate(engine, req))
+
+    def _insert(self, engine: str, r: pb.InsertRequest) -> pb.InsertResponse:
+        req = convert.insert_request_from_pb(r, self._limit)
+        return convert.insert_to_pb(self._core.insert(engine, req))
+
+    def _release(self, engine: str, r: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        lock_id, allocation_id = convert.release_target(r)
+        self._core.release(engine, lock_id, allocation_id)
+        return pb.ReleaseResponse()
+
+    def _close_session(self, _e: str, r: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
+        return pb.CloseSessionResponse(released_refs=self._core.close_session(r.session_id))
+
+    def _stats(self, _engine: str, _r: pb.StatsRequest) -> pb.StatsResponse:
+        return convert.stats_to_pb(self._core.stats())
+
+    # ------------------------------------------------------------------ RPCs
+
+    def Attach(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._attach("", request)
+
+    def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._heartbeat("", request)
+
+    def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._match(engine_of(context), request)
+
+    def Load(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        for progress in self._core.load(engine_of(context), request.lock_id):
+            yield convert.load_to_pb(progress)
+
+    def PrefetchStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._prefetch_status("", request)
+
+    def CancelPrefetch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._cancel_prefetch("", request)
+
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._allocate(engine_of(context), request)
+
+    def Insert(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._insert(engine_of(context), request)
+
+    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._release(engine_of(context), request)
+
+    def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._close_session("", request)
+
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._stats("", request)
+
+    def Batch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        engine = engine_of(context)
+        principal = current_principal()
+        response = pb.BatchResponse()
+        results = response.results
+        for i, op in enumerate(request.ops):
+            kind = op.WhichOneof("op")
+            result = results.add()
+            try:
+                if kind is None:
+                    raise InvalidArgument("empty op: set one of the BatchOp fields")
+                msg = getattr(op, kind)
+                namespace = getattr(msg, "namespace", None)
+                if isinstance(namespace, str):
+                    principal.require(namespace)
+                getattr(result, kind).CopyFrom(self._ops[kind](engine, msg))
+            except Exception as exc:
+                code, message = op_status(exc, f"Batch op {i} ({kind})")
+                result.status.code = code.value[0]
+                result.status.message = f"op {i} ({kind}): {message}"
+        return response
+
+
+class AdminServicer(apb_grpc.AdminServicer):
+    """The operator-facing service."""
+
+    def __init__(self, core: CacheService, default_flush_s: float) -> None:
+        self._core = core
+        self._default_flush_s = default_flush_s
+
+    def Health(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return convert.health_to_pb(self._core.health(request.deep))
+
+    def Flush(self, request: Any, context: grpc.ServicerContext) -> Any:
+        timeout_s = request.timeout_ms / 1e3 if request.timeout_ms else self._default_flush_s
+        return apb.FlushResponse(pages_written=self._core.flush(timeout_s))

@@ -1,0 +1,114 @@
+"""A real `hicache serve` process for the daemon tests, and small helpers around it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from hicache.client import Client
+from hicache.errors import HicacheError
+
+PAGE = 64  # model.page_size of the embedded config
+# Tiny sizes: L1 16 pages of 64 KiB (4 layers x 16 KiB), L2 32 pages.
+TINY = (
+    "tiers.l1.tokens=1024",
+    "tiers.l2.reserve_gb=0",
+    "server.max_tokens_per_request=8192",
+    "metrics.port=0",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tokens(n: int, start: int = 1) -> bytes:
+    return np.arange(start, start + n, dtype="<u4").tobytes()
+
+
+def kv_pattern(seed: int, layer: int, page_bytes: int) -> np.ndarray:
+    """The bytes an engine writes for one page of one layer (deterministic per seed)."""
+    return np.random.default_rng([seed, layer]).integers(0, 256, page_bytes, dtype=np.uint8)
+
+
+class Daemon:
+    """`hicache serve` as a subprocess on a private socket (or a TCP address)."""
+
+    def __init__(self, workdir: Path, *sets: str, listen: str | None = None) -> None:
+        self.workdir = workdir
+        self.socket = workdir / "d.sock"
+        self.listen = listen or f"unix://{self.socket}"
+        self.sets = (*TINY, *sets)
+        self.log_path = workdir / f"daemon-{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return self.listen
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "hicache.cli", "serve", "--listen", self.listen]
+        for item in self.sets:
+            argv += ["--set", item]
+        return argv
+
+    def start(self, wait: bool = True) -> Daemon:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        with Client(self.target, retries=0, timeout_s=1.0) as probe:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
+                try:
+                    if probe.serving():
+                        return
+                except HicacheError:
+                    time.sleep(0.05)
+        raise AssertionError(f"daemon not ready in {timeout_s} s:\n{self.log()}")
+
+    def client(self, **kwargs: object) -> Client:
+        return Client(self.target, **kwargs)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        return self.proc.wait(timeout=timeout_s)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop(signal.SIGKILL)
+
+
+def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hicache.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())

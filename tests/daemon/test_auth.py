@@ -1,0 +1,85 @@
+"""Bearer tokens and namespaces over TCP loopback, and the plain-TCP probe listener."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hicache.client import match_op
+from hicache.controller.base import MatchOutcome
+from hicache.errors import PermissionDenied, Unauthenticated
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
+
+from .daemonkit import PAGE, Daemon, free_port, tokens
+
+TENANT_A = "token-of-tenant-a-0123456789"
+ADMIN = "token-of-the-operator-987654321"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, int]]:
+    probe = free_port()
+    d = Daemon(
+        tmp_path_factory.mktemp("auth"),
+        f"server.tokens=[{{token: {TENANT_A}, namespaces: [a, shared]}}, "
+        f"{{token: {ADMIN}, namespaces: ['*']}}]",
+        f"server.probe_listen=127.0.0.1:{probe}",
+        listen=f"127.0.0.1:{free_port()}",
+    ).start()
+    yield d, probe
+    d.close()
+
+
+def test_missing_or_wrong_token_is_unauthenticated(secured: tuple[Daemon, int]) -> None:
+    d, _ = secured
+    with d.client(retries=0) as anonymous, pytest.raises(Unauthenticated, match="Bearer"):
+        anonymous.stats()
+    with d.client(token="not-a-token-at-all-xx", retries=0) as wrong:
+        with pytest.raises(Unauthenticated, match="invalid bearer token"):
+            wrong.attach(map_pools=False)
+        assert wrong.serving()  # the standard health check needs no credentials
+
+
+def test_namespaces_follow_the_token(secured: tuple[Daemon, int]) -> None:
+    d, _ = secured
+    with d.client(token=TENANT_A, engine_id="tenant-a") as a:
+        a.attach(map_pools=False)
+        assert a.match(tokens(PAGE), "a").device_tokens == 0
+        with pytest.raises(PermissionDenied, match="namespace 'b'"):
+            a.match(tokens(PAGE), "b")
+        with pytest.raises(PermissionDenied, match="namespace ''"):
+            a.allocate(PAGE)
+        with pytest.raises(PermissionDenied):
+            a.insert(tokens(PAGE), "b")
+        ok, denied, shared = a.batch([match_op(tokens(PAGE), "a"), match_op(tokens(PAGE), "b"),
+                                      match_op(tokens(PAGE), "shared")])
+        assert isinstance(ok, MatchOutcome) and isinstance(shared, MatchOutcome)
+        assert isinstance(denied, PermissionDenied) and "op 1" in str(denied)
+    with d.client(token=ADMIN, engine_id="operator") as op:
+        op.attach(map_pools=False)
+        assert op.match(tokens(PAGE), "b").device_tokens == 0
+
+
+def test_tokens_never_reach_the_log(secured: tuple[Daemon, int]) -> None:
+    d, _ = secured
+    with d.client(token=TENANT_A, retries=0) as a, pytest.raises(PermissionDenied):
+        a.match(tokens(PAGE), "b")
+    log = d.log()
+    assert "ready" in log
+    assert TENANT_A not in log and ADMIN not in log
+
+
+def test_probe_listener_serves_only_health(secured: tuple[Daemon, int]) -> None:
+    _, probe = secured
+    with grpc.insecure_channel(f"127.0.0.1:{probe}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert check(health_pb2.HealthCheckRequest(service="")).status == serving
+        assert check(health_pb2.HealthCheckRequest(service="hicache.v1.HiCache")).status == serving
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.HiCacheStub(channel).Stats(pb.StatsRequest())
+        assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED

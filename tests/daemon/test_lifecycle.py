@@ -1,0 +1,141 @@
+"""Daemon lifecycle: SIGTERM, a second daemon, a stale socket, leases, CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hicache.bench.services import RedisServer
+from hicache.cli import main
+
+from .daemonkit import PAGE, Daemon, free_port, run_cli, tokens
+
+MakeDaemon = Callable[..., Daemon]
+
+
+def test_sigterm_flushes_exits_0_and_unlinks_shared_memory(make_daemon: MakeDaemon) -> None:
+    d = make_daemon()
+    with d.client() as c:
+        att = c.attach(map_pools=False)
+        segments = [Path("/dev/shm") / p.handle.decode() for p in att.info.pools]
+        assert segments and all(s.exists() for s in segments)
+        m = c.match(tokens(PAGE), lock=True, allocate_tokens=PAGE)
+        c.insert(tokens(PAGE), lock_id=m.lock_id, allocation_id=m.allocation_id)
+    assert d.stop(signal.SIGTERM) == 0
+    assert not any(s.exists() for s in segments)
+    assert not d.socket.exists()
+    assert "flushed" in d.log() and "stopped" in d.log()
+
+
+def test_second_daemon_on_the_same_socket_is_refused(make_daemon: MakeDaemon) -> None:
+    first = make_daemon()
+    second = make_daemon(start=False)
+    second.start(wait=False)
+    assert second.proc is not None and second.proc.wait(timeout=30) == 1
+    assert "another hicache daemon" in second.log() and "refusing" in second.log()
+    with first.client() as c:
+        assert c.serving()
+
+
+def test_socket_left_by_a_killed_daemon_is_replaced(make_daemon: MakeDaemon) -> None:
+    first = make_daemon()
+    first.stop(signal.SIGKILL)
+    assert first.socket.exists()  # the killed daemon could not clean up
+    second = make_daemon()
+    with second.client() as c:
+        c.attach(map_pools=False)
+        assert c.serving()
+
+
+def test_non_loopback_tcp_without_tls_refuses_to_start(make_daemon: MakeDaemon) -> None:
+    d = make_daemon(listen=f"0.0.0.0:{free_port()}", start=False).start(wait=False)
+    assert d.proc is not None and d.proc.wait(timeout=30) == 1
+    assert "requires TLS" in d.log() and "server.tls_cert" in d.log()
+
+
+CRASHING_ENGINE = textwrap.dedent(
+    """
+    import os, sys, numpy as np
+    from hicache.client import Client
+    c = Client(sys.argv[1], engine_id="doomed")
+    c.attach(map_pools=False)
+    m = c.match(np.arange(1, 257, dtype="<u4").tobytes(), lock=True, allocate_tokens=128)
+    assert m.device_tokens == 128 and m.lock_id and m.allocation_id
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
+def test_locks_of_a_killed_engine_are_released_after_its_lease(make_daemon: MakeDaemon) -> None:
+    d = make_daemon("server.lease_ms=900")
+    with d.client(engine_id="survivor") as c:
+        c.attach(map_pools=False)
+        m = c.match(tokens(2 * PAGE), lock=True, allocate_tokens=2 * PAGE)
+        c.insert(tokens(2 * PAGE), lock_id=m.lock_id, allocation_id=m.allocation_id)
+        out = subprocess.run([sys.executable, "-c", CRASHING_ENGINE, d.target],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        assert c.stats().counters["expired_leases"] == 0
+        device = next(p for p in c.stats().pools if p.tier == "device")
+        # The crashed engine's match lock (2 pages) and allocation (2 more pages).
+        assert (device.locked_pages, device.used_pages) == (2, 4)
+        deadline = time.monotonic() + 10
+        while c.stats().counters["expired_leases"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = c.stats()
+        assert stats.counters["expired_leases"] == 1
+        device = next(p for p in stats.pools if p.tier == "device")
+        assert (device.locked_pages, device.used_pages) == (0, 2)
+        assert c.heartbeat().lease_ms == 900  # the live engine kept its lease
+    assert "doomed" in d.log() and "lease lapsed" in d.log()
+
+
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    rc = main(list(args))
+    return rc, capsys.readouterr().out
+
+
+def test_health_and_stats_cli_exit_codes(
+    make_daemon: MakeDaemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = make_daemon()
+    rc, out = cli(capsys, "health", "--target", d.target, "--json")
+    assert rc == 0, out
+    assert json.loads(out)["serving"] is True and json.loads(out)["backends"] == []
+    rc, out = cli(capsys, "stats", "--target", d.target, "--json")
+    assert rc == 0 and {p["tier"] for p in json.loads(out)["pools"]} == {"device", "host"}
+    rc, out = cli(capsys, "stats", "--target", d.target)
+    assert rc == 0 and "lookups:" in out
+    nobody = f"unix://{tmp_path}/nobody.sock"
+    rc, out = cli(capsys, "health", "--target", nobody)
+    assert rc == 2 and "UNREACHABLE" in out
+    assert cli(capsys, "stats", "--target", nobody)[0] == 2
+    # The console script itself, once: exit codes survive the process boundary.
+    assert run_cli("health", "--target", nobody).returncode == 2
+
+
+@pytest.mark.timeout(120)
+def test_health_cli_exits_1_while_a_backend_is_down(
+    make_daemon: MakeDaemon,
+    redis_factory: Callable[[], RedisServer],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    redis = redis_factory()
+    d = make_daemon("storage.backend=redis", f"storage.redis.url={redis.url}",
+                    "storage.timeout_s=1")
+    assert cli(capsys, "health", "--target", d.target, "--deep")[0] == 0
+    redis.stop()
+    rc, out = cli(capsys, "health", "--target", d.target, "--deep", "--json")
+    assert rc == 1, out
+    (backend,) = json.loads(out)["backends"]
+    assert backend["name"] == "redis" and backend["healthy"] is False
+    with d.client() as c:
+        assert c.serving("hicache.v1.HiCache")  # L1/L2 keep serving

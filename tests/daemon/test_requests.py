@@ -1,0 +1,177 @@
+"""Requests through the real client against a real daemon process (one per module).
+
+Each test uses its own token range, so the tests do not share tree entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.client import Client, insert_op, match_op, release_op
+from hicache.controller.base import InsertOutcome, MatchOutcome
+from hicache.errors import (
+    FailedPrecondition,
+    HicacheError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+
+from .daemonkit import PAGE, Daemon, kv_pattern, scrape, tokens
+
+
+def write_kv(pools: dict, pages: np.ndarray, seed: int) -> None:
+    for layer, view in enumerate(pools["full"]):
+        for i, page in enumerate(pages):
+            view[int(page)] = torch_from(kv_pattern(seed + i, layer, view.shape[1]))
+
+
+def torch_from(a: np.ndarray):  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def read_kv(pools: dict, pages: np.ndarray) -> list[bytes]:
+    return [bytes(view[int(p)].numpy()) for view in pools["full"] for p in pages]
+
+
+def test_full_request_life_second_engine_reads_identical_bytes(daemon: Daemon) -> None:
+    prompt = tokens(4 * PAGE, start=1_000)
+    with daemon.client(engine_id="writer") as writer, daemon.client(engine_id="reader") as reader:
+        w = writer.attach()
+        assert w.info.page_size == PAGE
+        assert [m.name for m in w.info.members] == ["full"]
+        m = writer.match(prompt, lock=True, allocate_tokens=4 * PAGE)
+        assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 0)
+        assert m.lock_id and m.allocation_id and len(m.pages["full"]) == 4
+        write_kv(w.pools, m.pages["full"], seed=7)
+        expected = read_kv(w.pools, m.pages["full"])
+        assert writer.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id) == (
+            InsertOutcome(inserted_tokens=4 * PAGE, reused_tokens=0)
+        )
+
+        r = reader.attach()
+        with reader.matched(prompt) as hit:
+            assert hit.device_tokens == 4 * PAGE
+            np.testing.assert_array_equal(hit.device_pages["full"], m.pages["full"])
+            assert read_kv(r.pools, hit.device_pages["full"]) == expected
+        assert reader.heartbeat().locks == 0  # the context manager released the lock
+
+
+def test_load_brings_an_l2_prefix_back_layer_by_layer(daemon: Daemon) -> None:
+    with daemon.client(engine_id="loader") as c:
+        att = c.attach()
+        first = tokens(2 * PAGE, start=50_000)
+        m = c.match(first, lock=True, allocate_tokens=2 * PAGE)
+        write_kv(att.pools, m.pages["full"], seed=11)
+        expected = read_kv(att.pools, m.pages["full"])
+        c.insert(first, lock_id=m.lock_id, allocation_id=m.allocation_id)
+        for k in range(8):  # push `first` out of the 16-page L1 (it stays in L2)
+            other = tokens(2 * PAGE, start=60_000 + 1_000 * k)
+            o = c.match(other, lock=True, allocate_tokens=2 * PAGE)
+            c.insert(other, lock_id=o.lock_id, allocation_id=o.allocation_id)
+        with c.matched(first) as again:
+            assert (again.device_tokens, again.host_tokens) == (0, 2 * PAGE)
+            steps = list(c.load(again.lock_id))
+            assert [s.layers_ready for s in steps][-1] == steps[-1].layers_total == 4
+            assert [s.layers_ready for s in steps] == sorted(s.layers_ready for s in steps)
+            last = steps[-1]
+            assert last.device_tokens == 2 * PAGE and last.device_pages is not None
+            assert read_kv(att.pools, last.device_pages["full"]) == expected
+
+
+def test_batch_runs_every_op_and_reports_the_failing_one(daemon: Daemon) -> None:
+    prompt = tokens(PAGE, start=2_000)
+    with daemon.client(engine_id="batcher") as c:
+        c.attach(map_pools=False)
+        results = c.batch([
+            match_op(prompt, lock=True, allocate_tokens=PAGE),
+            release_op(lock_id=987_654),
+            pb.BatchOp(insert=pb.InsertRequest(tokens=b"\x01\x02\x03")),
+            pb.BatchOp(),
+            pb.BatchOp(stats=pb.StatsRequest()),
+        ])
+        match, missing, odd, empty, stats = results
+        assert isinstance(match, MatchOutcome) and match.allocation_id
+        assert isinstance(missing, NotFound) and "op 1 (release)" in str(missing)
+        assert "987654" in str(missing)
+        assert isinstance(odd, InvalidArgument) and "multiple of 4" in str(odd)
+        assert isinstance(empty, InvalidArgument) and "empty op" in str(empty)
+        assert {p.tier for p in stats.pools} == {"device", "host"}
+        # Later ops see earlier ones: the insert consumes the batch's own match.
+        done = c.batch([insert_op(prompt, lock_id=match.lock_id, allocation_id=match.allocation_id),
+                        release_op(lock_id=match.lock_id)])
+        assert done[0] == InsertOutcome(inserted_tokens=PAGE, reused_tokens=0)
+        assert isinstance(done[1], NotFound)
+
+
+def _malformed_calls(c: Client) -> dict[str, tuple[type[HicacheError], str, object]]:
+    held = c.match(tokens(PAGE, start=3_000), lock=True)
+    c.release(lock_id=held.lock_id)
+    short = c.match(tokens(2 * PAGE, start=4_000), lock=True, allocate_tokens=PAGE)
+    return {
+        "odd-length tokens (match)": (InvalidArgument, "multiple of 4",
+                                      lambda: c.match(b"\x00" * 7)),
+        "odd-length tokens (insert)": (InvalidArgument, "multiple of 4",
+                                       lambda: c.insert(b"\x00" * 5)),
+        "too many tokens": (InvalidArgument, "max_tokens_per_request",
+                            lambda: c.match(tokens(8193))),
+        "message over the size limit": (ResourceExhausted, "",
+                                        lambda: c.match(b"\x00" * (12 << 20))),
+        "tokens disagree with pages": (InvalidArgument, "covers",
+                                       lambda: c.insert(tokens(2 * PAGE, start=4_000),
+                                                        lock_id=short.lock_id,
+                                                        allocation_id=short.allocation_id)),
+        "unknown lock": (NotFound, "lock 424242", lambda: c.release(lock_id=424242)),
+        "double release": (NotFound, f"lock {held.lock_id}",
+                           lambda: c.release(lock_id=held.lock_id)),
+        "insert on a released lock": (NotFound, f"lock {held.lock_id}",
+                                      lambda: c.insert(tokens(PAGE, start=3_000),
+                                                       lock_id=held.lock_id)),
+        "unknown allocation": (NotFound, "allocation 515151",
+                               lambda: c.release(allocation_id=515151)),
+        "unknown prefetch": (NotFound, "prefetch 99", lambda: c.prefetch_status(99)),
+        "cancel unknown prefetch": (NotFound, "prefetch 98", lambda: c.cancel_prefetch(98)),
+        "load on an unknown lock": (NotFound, "lock 77", lambda: list(c.load(77))),
+        "huge allocation": (InvalidArgument, "max_tokens_per_request",
+                            lambda: c.allocate(1 << 30)),
+        "allocation larger than L1": (ResourceExhausted, "L1", lambda: c.allocate(8192)),
+        "wrong tp_size": (InvalidArgument, "tp_size", lambda: c.attach(tp_size=3)),
+    }
+
+
+def test_malformed_input_gets_the_right_code_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
+    with daemon.client(engine_id="fuzzer", retries=0) as c:
+        c.attach(map_pools=False)
+        for name, (error, fragment, call) in _malformed_calls(c).items():
+            with pytest.raises(error) as info:
+                call()  # type: ignore[operator]
+            assert fragment in str(info.value), (name, str(info.value))
+            assert c.serving(), name
+        assert c.stats().counters["lookups"] > 0
+
+
+def test_requests_before_attach_are_refused(daemon: Daemon) -> None:
+    with daemon.client(engine_id="never-attached", retries=0) as c:
+        with pytest.raises(NotFound, match="never-attached"):
+            c.heartbeat()
+        with pytest.raises((FailedPrecondition, NotFound)):
+            c.match(tokens(PAGE), lock=True)
+
+
+def test_metrics_count_rpcs_and_pools_without_namespaces(daemon: Daemon, metrics_port: int) -> None:
+    with daemon.client(engine_id="metered") as c:
+        c.attach(map_pools=False)
+        c.match(tokens(PAGE, start=9_000), "tenant-secret-ns")
+        with pytest.raises(NotFound):
+            c.release(lock_id=31337)
+    text = scrape(metrics_port)
+    assert 'hicache_rpc_seconds_count{code="OK",method="hicache.v1.HiCache/MatchPrefix"}' in text
+    assert 'code="NOT_FOUND",method="hicache.v1.HiCache/Release"' in text
+    assert 'hicache_pool_capacity_pages{member="full",tier="device"} 16.0' in text
+    assert 'hicache_hit_tokens_total{tier="device"}' in text
+    assert "hicache_lookups_total" in text
+    assert "tenant-secret-ns" not in text

@@ -1,0 +1,183 @@
+"""Fast in-process tests: conversion, the status mapping both ways, auth, the interceptor."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from hicache import convert, errors
+from hicache.auth import ANONYMOUS, Authenticator
+from hicache.client import Client
+from hicache.client_errors import error_for, op_error
+from hicache.config import TokenConfig, load_config
+from hicache.controller.base import PoolUsage, StatsSnapshot
+from hicache.controller.controller import build_controller
+from hicache.endpoint import parse_address
+from hicache.interceptor import status_of
+from hicache.metrics import counter_families
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.server import Daemon
+from hicache.tiers.base import PoolDescriptor, PoolKind
+
+from .daemonkit import TINY, tokens
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_token_bytes_are_checked_without_copying() -> None:
+    data = tokens(10)
+    assert convert.check_tokens(data, 10) is data
+    with pytest.raises(errors.InvalidArgument, match="6 bytes is not a multiple of 4"):
+        convert.check_tokens(b"\x00" * 6, 10)
+    with pytest.raises(errors.InvalidArgument, match=r"11 tokens exceed .*max_tokens_per_request \(10\)"):
+        convert.check_tokens(tokens(11), 10)
+    assert convert.tokens_to_bytes([1, 2]) == b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    assert convert.tokens_to_bytes(np.array([7], dtype=np.int64)) == b"\x07\x00\x00\x00"
+    with pytest.raises(errors.InvalidArgument, match="uint32"):
+        convert.tokens_to_bytes([-1])
+
+
+def test_pages_round_trip_as_int64_arrays() -> None:
+    pages = {"full": np.array([5, 0, 4_000_000_000], dtype=np.int64), "k_scale": np.array([], dtype=np.int32)}
+    back = convert.pages_from_pb(convert.pages_to_pb(pages))
+    assert list(back) == ["full", "k_scale"]
+    np.testing.assert_array_equal(back["full"], pages["full"])
+    assert back["k_scale"].dtype == np.int64 and back["k_scale"].size == 0
+
+
+def test_pool_descriptor_round_trips_every_field() -> None:
+    d = PoolDescriptor(member="full", kind=PoolKind.CUDA_IPC, handle=b"\x01" * 64, device=1,
+                       num_pages=10, layer_stride_bytes=640, page_stride_bytes=64, layers=3,
+                       offset_bytes=128, size_bytes=4096, ref_counter_handle=b"rc",
+                       ref_counter_offset=8, event_handle=b"ev", event_sync_required=True)
+    msg = convert.pool_to_pb(d, tp_rank=2)
+    assert msg.tp_rank == 2 and msg.kind == pb.CUDA_IPC
+    assert convert.pool_from_pb(msg) == d
+
+
+def test_stats_map_core_counter_aliases_to_the_wire_and_keep_extras_for_metrics() -> None:
+    snap = StatsSnapshot(
+        pools=(PoolUsage("device", "full", 16, 4, 2),),
+        counters={"lookups": 3, "hit_tokens_device": 128, "backups_l2": 5, "backups_l3": 2,
+                  "leases_expired": 1, "prefetches_done": 4, "backups_l3_failed": 9},
+    )
+    back = convert.stats_from_pb(convert.stats_to_pb(snap))
+    assert back.pools == snap.pools
+    c = back.counters
+    assert (c["lookups"], c["hit_tokens_device"], c["backups_host"], c["backups_storage"]) == (3, 128, 5, 2)
+    assert (c["expired_leases"], c["prefetches_done"], c["evictions_device"]) == (1, 4, 0)
+    families = {f.name: f for f in counter_families(snap)}
+    backups = {s.labels["tier"]: s.value for s in families["hicache_backups"].samples if s.name.endswith("_total")}
+    assert backups == {"device": 0, "host": 5, "storage": 2}
+    assert "hicache_backups_l3_failed" in families
+
+
+# --------------------------------------------------------------------------- status mapping
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (errors.InvalidArgument("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.ConfigError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+        (errors.NotFound("gone"), grpc.StatusCode.NOT_FOUND),
+        (errors.FailedPrecondition("later"), grpc.StatusCode.FAILED_PRECONDITION),
+        (errors.ResourceExhausted("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (errors.Unauthenticated("who"), grpc.StatusCode.UNAUTHENTICATED),
+        (errors.PermissionDenied("no"), grpc.StatusCode.PERMISSION_DENIED),
+        (errors.BackendUnavailable("down"), grpc.StatusCode.UNAVAILABLE),
+        (errors.ObjectCorrupt("bits"), grpc.StatusCode.DATA_LOSS),
+    ],
+)
+def test_typed_errors_map_to_codes_and_back(error: errors.HicacheError, code: grpc.StatusCode) -> None:
+    got, message = status_of(error)
+    assert got is code and message == str(error)
+    back = error_for(got, message)
+    assert type(back).grpc_code_name == code.name and str(back) == message
+    assert type(op_error(code.value[0], message)) is type(back)
+
+
+def test_unexpected_exceptions_are_internal_and_unknown_codes_stay_generic() -> None:
+    code, message = status_of(KeyError("x"))
+    assert code is grpc.StatusCode.INTERNAL and "KeyError" in message
+    assert type(error_for(grpc.StatusCode.UNIMPLEMENTED, "m")) is errors.HicacheError
+    assert isinstance(error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "m"), errors.Unavailable)
+
+
+# --------------------------------------------------------------------------- auth, addresses
+
+
+def test_authenticator() -> None:
+    auth = Authenticator((TokenConfig("a" * 16, ("x",)), TokenConfig("b" * 16, ("*",))))
+    assert Authenticator(()).authenticate([]) is ANONYMOUS
+    with pytest.raises(errors.Unauthenticated, match="missing credentials"):
+        auth.authenticate([("x-hicache-engine", "e")])
+    with pytest.raises(errors.Unauthenticated, match="invalid bearer token"):
+        auth.authenticate([("authorization", "Bearer " + "c" * 16)])
+    tenant = auth.authenticate([("authorization", "bearer " + "a" * 16)])
+    tenant.require("x")
+    with pytest.raises(errors.PermissionDenied, match="token#0") as info:
+        tenant.require("y")
+    assert "a" * 16 not in str(info.value)
+    auth.authenticate([("authorization", "Bearer " + "b" * 16)]).require("anything")
+
+
+def test_addresses() -> None:
+    assert parse_address("unix:///run/h.sock").is_unix
+    assert parse_address("127.0.0.1:5").is_loopback and parse_address("[::1]:5").is_loopback
+    assert not parse_address("10.0.0.1:5").is_loopback
+    name = parse_address("unix:///run/h-1.sock").instance_name()
+    assert name.startswith("h_1_sock_") and name.replace("_", "").isalnum()
+    with pytest.raises(errors.InvalidArgument, match="unix:///absolute/path"):
+        parse_address("unix://relative.sock")
+
+
+# --------------------------------------------------------------------------- interceptor, in process
+
+_instances = itertools.count()
+
+
+@pytest.fixture
+def in_process(tmp_path: Path) -> Iterator[tuple[Daemon, Client]]:
+    cfg = load_config(None, TINY)
+    core = build_controller(cfg, f"u{os.getpid()}_{next(_instances)}")
+    daemon = Daemon(cfg, core, parse_address(f"unix://{tmp_path}/u.sock"))
+    daemon.start()
+    client = Client(daemon.endpoint.target, retries=0)
+    yield daemon, client
+    client.close()
+    daemon.stop()
+
+
+def test_an_unexpected_exception_is_internal_logged_and_the_daemon_keeps_serving(
+    in_process: tuple[Daemon, Client], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon, client = in_process
+
+    def broken() -> StatsSnapshot:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(daemon.core, "stats", broken)
+    with caplog.at_level(logging.ERROR, logger="hicache.rpc"), pytest.raises(errors.HicacheError) as info:
+        client.stats()
+    assert type(info.value) is errors.HicacheError and "RuntimeError: boom" in str(info.value)
+    assert any("Stats failed unexpectedly" in r.message and r.exc_info for r in caplog.records)
+    client.attach(map_pools=False)
+    stats_op, match_op_result = client.batch([pb.BatchOp(stats=pb.StatsRequest()),
+                                              pb.BatchOp(match_prefix=pb.MatchPrefixRequest(tokens=tokens(64)))])
+    assert "boom" in str(stats_op) and match_op_result.device_tokens == 0
+    assert client.serving()
+    samples = {
+        (s.labels["method"], s.labels["code"]): s.value
+        for metric in daemon.metrics.registry.collect() if metric.name == "hicache_rpc_seconds"
+        for s in metric.samples if s.name.endswith("_count")
+    }
+    assert samples[("hicache.v1.HiCache/Stats", "INTERNAL")] == 1
+    assert samples[("hicache.v1.HiCache/Batch", "OK")] == 1
