@@ -1,0 +1,80 @@
+"""Content oracle for test engines: KV bytes that are a deterministic function of
+(namespace, page hash, layer, member), written into mapped L1 pages and checked byte for
+byte wherever a page comes back from, whatever tier it went through."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from hicache.controller.base import AttachInfo
+from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
+from hicache.types import ComponentKind
+
+
+class KvOracle:
+    def __init__(self, info: AttachInfo, pools: Mapping[str, tuple[torch.Tensor, ...]],
+                 namespace: str = "") -> None:
+        self.info = info
+        self.pools = pools
+        self.page_size = info.page_size
+        self.seed = chain_seed(namespace, "oracle", "")
+        self.pages_checked = 0
+        self.wrong_bytes = 0
+
+    def _hashes(self, tokens: bytes) -> list[bytes]:
+        blob = chain_hashes(self.seed, tokens, self.page_size * 4)
+        return [blob[i : i + PAGE_HASH_BYTES] for i in range(0, len(blob), PAGE_HASH_BYTES)]
+
+    @staticmethod
+    def _expected(keys: list[bytes], tag: bytes, width: int) -> np.ndarray:
+        digests = b"".join(hashlib.sha256(k + tag).digest() for k in keys)
+        rows = np.frombuffer(digests, dtype=np.uint8).reshape(len(keys), 32)
+        reps = -(-width // 32)
+        return np.tile(rows, (1, reps))[:, :width]
+
+    def _rows(self, member: str, layer: int) -> np.ndarray:
+        return self.pools[member][layer].numpy()
+
+    def write(self, tokens: bytes, pages: Mapping[str, np.ndarray], start_page: int) -> None:
+        """KV of every whole page from `start_page` on (into `pages`, one id per page from
+        there), and the recurrent state at the end (into the MAMBA slot)."""
+        hs = self._hashes(tokens)
+        for m in self.info.members:
+            ids = np.asarray(pages[m.name], dtype=np.int64)
+            for layer in range(m.layers):
+                rows = self._rows(m.name, layer)
+                tag = m.name.encode() + bytes([layer])
+                if m.component is ComponentKind.MAMBA:
+                    if len(ids) and hs:
+                        rows[int(ids[0])] = self._expected([hs[-1]], b"state" + tag, rows.shape[1])[0]
+                    continue
+                n = len(hs) - start_page
+                if n > 0:
+                    rows[ids[:n]] = self._expected(hs[start_page:], tag, rows.shape[1])
+
+    def verify(self, tokens: bytes, pages: Mapping[str, np.ndarray], n_pages: int) -> None:
+        """Check the first `n_pages` reused pages (SWA tombstones, -1, are skipped) and the
+        checkpoint at the boundary; counts pages checked and wrong bytes."""
+        if n_pages == 0:
+            return
+        hs = self._hashes(tokens)[:n_pages]
+        for m in self.info.members:
+            ids = np.asarray(pages.get(m.name, np.empty(0)), dtype=np.int64)
+            for layer in range(m.layers):
+                rows = self._rows(m.name, layer)
+                tag = m.name.encode() + bytes([layer])
+                if m.component is ComponentKind.MAMBA:
+                    if len(ids):
+                        want = self._expected([hs[-1]], b"state" + tag, rows.shape[1])[0]
+                        self.wrong_bytes += int((rows[int(ids[0])] != want).sum())
+                        self.pages_checked += 1
+                    continue
+                keep = ids[:n_pages] >= 0
+                got = rows[ids[:n_pages][keep]]
+                want = self._expected([h for h, k in zip(hs, keep, strict=False) if k], tag, rows.shape[1])
+                self.wrong_bytes += int((got != want).sum())
+                self.pages_checked += int(keep.sum())
