@@ -58,7 +58,9 @@ class MatchRequest:
     request_id: str = ""
     lock: bool = False
     prefetch: bool = False
-    allocate_tokens: int | None = None  # also allocate L1 pages for this many new tokens
+    # The request's total tokens (prompt + what it will generate): also allocate L1 pages
+    # for every token past the device match.
+    allocate_tokens: int | None = None
 
 
 @dataclass(frozen=True)

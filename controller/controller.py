@@ -192,7 +192,8 @@ class HybridCacheController(CacheService):
             if req.allocate_tokens is not None:
                 assert m.lock is not None
                 alloc_id, alloc_pages = self._new_allocation(
-                    engine_id, req.namespace, m.device_tokens // self._ps, req.allocate_tokens,
+                    engine_id, req.namespace, m.device_tokens // self._ps,
+                    max(0, req.allocate_tokens - m.device_tokens),
                     lock_id, m.device_pages.get(MAMBA),
                 )
             device_pages = self._by_member(m.device_pages)

@@ -96,13 +96,13 @@ class Workload:
 
     def round(self) -> None:
         tokens = self.next_prompt()
-        m = self.client.match(tokens, lock=True, allocate_tokens=self.page)
+        m = self.client.match(tokens, lock=True, allocate_tokens=len(tokens) // 4)
         self.client.insert(tokens, lock_id=m.lock_id, allocation_id=m.allocation_id)
 
     def batched(self) -> None:
         prompts = [self.next_prompt() for _ in range(BATCH)]
         matches = self.client.batch(
-            [match_op(t, lock=True, allocate_tokens=self.page) for t in prompts]
+            [match_op(t, lock=True, allocate_tokens=len(t) // 4) for t in prompts]
         )
         inserts = [
             insert_op(t, lock_id=m.lock_id, allocation_id=m.allocation_id)

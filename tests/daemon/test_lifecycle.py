@@ -67,7 +67,7 @@ CRASHING_ENGINE = textwrap.dedent(
     from hicache.client import Client
     c = Client(sys.argv[1], engine_id="doomed")
     c.attach(map_pools=False)
-    m = c.match(np.arange(1, 257, dtype="<u4").tobytes(), lock=True, allocate_tokens=128)
+    m = c.match(np.arange(1, 257, dtype="<u4").tobytes(), lock=True, allocate_tokens=256)
     assert m.device_tokens == 128 and m.lock_id and m.allocation_id
     os.kill(os.getpid(), 9)
     """
