@@ -169,6 +169,20 @@ class Transfers:
             self.stats["backups_dropped"] += len(hashes) // 16
             release()
 
+    def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:
+        """The nodes that now hold the last `pages` pages of the path to `end`, root
+        first, each with its slice [lo, hi) of those pages."""
+        path = self.tree.path_to(end)
+        out: list[tuple[object, int, int]] = []
+        hi = pages
+        for node in reversed(path):
+            if hi <= 0:
+                break
+            n = (self.tree.depth_tokens(node) - self.tree.depth_tokens(self.tree.parent_of(node))) // self.ctl._ps
+            out.append((node, max(0, hi - n), hi))
+            hi -= n
+        return list(reversed(out))
+
     def _drop_in_flight(self, kind: ComponentKind, ids: np.ndarray) -> None:
         held = self._in_flight.get(kind, [])
         for i, arr in enumerate(held):
@@ -197,7 +211,8 @@ class Transfers:
         return moved
 
     def after_insert(self, end: object) -> None:
-        """Write-through at insert: L1 -> L2 for the path's new pages, then L3."""
+        """Write-through at insert: L1 -> L2 for the path's new pages (on the backup
+        worker, off the request path), then L3."""
         policy = self.cfg.write.l1_to_l2
         threshold = self.cfg.write.selective_threshold
         for node in self.tree.path_to(end):
@@ -206,8 +221,57 @@ class Transfers:
             if policy is WritePolicy.WRITE_THROUGH or (
                 policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) >= threshold
             ):
-                self.backup_to_host(node)
+                self.backup_to_host_async(node)
         self._maybe_l3(self.tree.path_to(end))
+
+    def backup_to_host_async(self, node: object) -> None:
+        """Like `backup_to_host`, but the copy runs on the backup worker: host pages are
+        taken now, the node is pinned (its L1 pages cannot move) until the copy landed."""
+        moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
+        for kind in self.ctl._kinds:
+            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
+            if dev is None or self.tree.is_resident(node, kind, Tier.HOST):
+                continue
+            try:
+                host_ids = self.allocate_l2(kind, len(dev))
+            except ResourceExhausted:
+                self.stats["backups_l2_skipped"] += 1
+                break
+            moves.append((kind, dev, host_ids))
+            self._in_flight.setdefault(kind, []).append(host_ids)
+        if not moves:
+            return
+        pin = self.tree.pin(node)
+
+        def land(copied: bool) -> None:
+            with self.ctl._mu:
+                # NOTE: a match may have split the node meanwhile; the pinned object is the
+                # tail, its new parents hold the head of the copied span.
+                span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
+                for kind, _dev, host_ids in moves:
+                    self._drop_in_flight(kind, host_ids)
+                    parts = [(node, 0, 1)] if kind is MAMBA else span
+                    for part, lo, hi in parts:
+                        full_there = kind is FULL or self.tree.is_resident(part, FULL, Tier.HOST)
+                        if (copied and full_there and self.tree.is_live(part)
+                                and not self.tree.is_resident(part, kind, Tier.HOST)):
+                            self.tree.set_resident(part, kind, Tier.HOST, host_ids[lo:hi])
+                            self.stats["backups_l2"] += hi - lo
+                        else:
+                            self.free_l2(kind, host_ids[lo:hi])
+                self.tree.unlock(pin)
+                self._maybe_l3([part for part, _, _ in span])
+
+        def run() -> None:
+            for kind, dev, host_ids in moves:
+                self.copier.device_to_host(kind, dev, host_ids)
+            land(True)
+
+        if not self.backup_worker.submit(Job("l1-to-l2", run, lambda _e: land(False))):
+            # Queue full: copy here rather than lose the backup.
+            for kind, dev, host_ids in moves:
+                self.copier.device_to_host(kind, dev, host_ids)
+            land(True)
 
     def after_match(self, m: MatchResult) -> None:
         """Selective write-through: nodes that just got hot go down a tier."""
@@ -386,6 +450,9 @@ class Transfers:
         before = self.stats["backups_l3"]
         if self.ctl.l3 is None:
             return 0
+        # NOTE: jobs already queued land first. A node whose L3 write is still queued is
+        # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
+        self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
                 if not self.tree.is_resident(node, FULL, Tier.HOST):

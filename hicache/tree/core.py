@@ -277,6 +277,12 @@ class HiRadixTree:
             current = current.parent
         return tuple(reversed(out))
 
+    def parent_of(self, node: object) -> object | None:
+        """The node above `node` (None at a namespace root)."""
+        assert isinstance(node, Node)
+        parent = node.parent
+        return parent if parent is not None and parent.parent is not None else None
+
     def pages_of(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray | None:
         """Page ids of `node`'s `kind` slot in DEVICE/HOST (None when not resident)."""
         assert isinstance(node, Node)

@@ -36,6 +36,7 @@ def make(tmp_path):
 
 
 def evict_all(ctl, tier: Tier) -> None:
+    assert ctl.transfers.backup_worker.drain(10)  # write-through copies land first
     with ctl._mu:
         for kind in ctl._kinds:
             pools = ctl.device if tier is Tier.DEVICE else ctl.host
@@ -275,3 +276,20 @@ def test_load_without_room_fails_cleanly_and_changes_nothing(make) -> None:
     assert before == (ctl.tree.resident_pages(Tier.DEVICE, FULL), ctl.tree.resident_pages(Tier.HOST, FULL))
     ctl.release("e1", m.lock_id, None)
     ctl.release("e1", hog.lock_id, hog.allocation_id)
+
+
+def test_async_write_through_lands_on_a_node_split_meanwhile(make) -> None:
+    from hicache.controller.workers import Job
+
+    ctl = make(write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    gate = threading.Event()
+    ctl.transfers.backup_worker.submit(Job("gate", lambda: gate.wait(5), lambda _e: None))
+    eng.request(seq(6))  # its L1->L2 copy waits behind the gate
+    ctl.match("e1", MatchRequest("", seq(2) + seq(1, 5000)))  # splits the node after page 2
+    gate.set()
+    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 6  # head and tail both backed up
+    ctl.check_integrity()
+    evict_all(ctl, Tier.DEVICE)
+    eng.request(seq(6))  # loads the 6 pages back from L2 and checks every byte

@@ -52,7 +52,7 @@ def _run_outage(ctl, stop, start) -> None:
     assert wait_for(lambda: not ctl.l3.breaker.is_open), "breaker never closed after restart"
     eng.request(seq(4, 50_000))
     assert wait_for(lambda: ctl.stats().counters.get("backups_l3", 0) > before), "backups did not resume"
-    assert ctl.transfers.backup_worker.drain(15)
+    assert ctl.transfers.backup_worker.drain(30)
     with ctl._mu:
         for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
             ctl.transfers._evict(tier, FULL, pools.allocator(FULL).total)
