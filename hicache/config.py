@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
 import types
 import typing
@@ -140,12 +141,7 @@ class ModelConfig:
             else:
                 _positive(side.bytes_per_token_per_layer, f"{spath}.bytes_per_token_per_layer")
 
-    @property
-    def component_kinds(self) -> tuple[ComponentKind, ...]:
-        """Active components in canonical order (FULL first)."""
-        return tuple(k for k in ComponentKind if k in self.components)
-
-    @property
+    @functools.cached_property
     def members(self) -> tuple[MemberSpec, ...]:
         """Every pool of every family: each component, then its sidecars (sorted by name)."""
         out: list[MemberSpec] = []
@@ -183,7 +179,16 @@ class ModelConfig:
         return state if kind is ComponentKind.MAMBA else per_token * self.page_size
 
     def family(self, kind: ComponentKind) -> tuple[MemberSpec, ...]:
-        return tuple(m for m in self.members if m.component is kind)
+        return self._families[kind]
+
+    @functools.cached_property
+    def _families(self) -> dict[ComponentKind, tuple[MemberSpec, ...]]:
+        return {k: tuple(m for m in self.members if m.component is k) for k in ComponentKind}
+
+    @functools.cached_property
+    def component_kinds(self) -> tuple[ComponentKind, ...]:
+        """Active components in canonical order (FULL first)."""
+        return tuple(k for k in ComponentKind if k in self.components)
 
 
 # --------------------------------------------------------------------------- tiers
