@@ -44,7 +44,7 @@ from hicache.tiers.host import build_host_pools
 from hicache.tiers.storage.base import BackendHealth
 from hicache.tiers.storage.registry import build_backend
 from hicache.tree import HiRadixTree
-from hicache.types import ComponentKind, HostLayout, StorageBackendName, Tier
+from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBackendName, Tier
 
 log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
@@ -65,6 +65,7 @@ class HybridCacheController(CacheService):
         self._kinds = cfg.model.component_kinds
         self._paged = [k for k in self._kinds if k is not MAMBA]
         self._engines = EngineRegistry(cfg.server.lease_ms / 1000)
+        self._prefetch_of_lock: dict[int, int] = {}
         self.transfers = Transfers(self, copier)
         self.prefetcher = Prefetcher(self)
         self.probe_interval_s = 0.5
@@ -127,6 +128,8 @@ class HybridCacheController(CacheService):
         with self._mu:
             gone = self._engines.lapsed()
             for engine in gone:
+                for lock_id in engine.locks:
+                    self._prefetch_of_lock.pop(lock_id, None)
                 locks, allocs = self._engines.take_handles(engine)
                 for rec in locks:
                     if rec.tree_lock.active:
@@ -189,6 +192,8 @@ class HybridCacheController(CacheService):
             if (req.prefetch and beyond and m.lock is not None
                     and storage_tokens >= self.cfg.prefetch.threshold_tokens):
                 prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, m.tail, beyond)
+                if prefetch_id:
+                    self._prefetch_of_lock[lock_id] = prefetch_id
             if req.allocate_tokens is not None:
                 assert m.lock is not None
                 alloc_id, alloc_pages = self._new_allocation(
@@ -315,6 +320,7 @@ class HybridCacheController(CacheService):
                 self.transfers.free_l1(kind, ids)
             if lock_rec is not None and not req.keep_lock:
                 self._engines.pop_lock(engine_id, req.lock_id or 0)
+                self._request_moves_on(req.lock_id)
             if alloc is not None:
                 self._consume_allocation(engine_id, req, alloc, begin, need, slot, result.released)
             if result.end is not None:
@@ -351,6 +357,7 @@ class HybridCacheController(CacheService):
         with self._mu:
             if lock_id:
                 record = self._engines.pop_lock(engine_id, lock_id)
+                self._request_moves_on(lock_id)
                 if record.tree_lock.active:
                     self.tree.unlock(record.tree_lock)
             if allocation_id:
@@ -368,6 +375,7 @@ class HybridCacheController(CacheService):
         with self._mu:
             self._engines.renew(engine_id)
             record = self._engines.lock(engine_id, lock_id)
+            self._request_moves_on(lock_id)
             op = self.transfers.plan_load(record.tree_lock)
         yield from self.transfers.run_load(op, record.tree_lock)
 
@@ -381,6 +389,15 @@ class HybridCacheController(CacheService):
         op = self._prefetch_op(prefetch_id)
         op.cancel()
         return op.info().tokens_ready
+
+    def _request_moves_on(self, lock_id: int | None) -> None:
+        """The engine scheduled the request (Load, Insert or Release of its lock): a
+        best_effort prefetch stops there; what arrived stays usable."""
+        prefetch_id = self._prefetch_of_lock.pop(lock_id or 0, 0)
+        if prefetch_id and self.cfg.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
+            op = self.prefetcher.get(prefetch_id)
+            if op is not None:
+                op.cancel()
 
     def _prefetch_op(self, prefetch_id: int) -> PrefetchOp:
         op = self.prefetcher.get(prefetch_id)

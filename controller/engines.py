@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache.errors import InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.tree import TreeLock
 from hicache.types import ComponentKind
 
@@ -55,6 +56,7 @@ class EngineRegistry:
         self._allocations: dict[int, AllocationRecord] = {}
         self._ids = itertools.count(1)
         self.expired = 0
+        self._lapsed: OrderedDict[str, None] = OrderedDict()  # recently expired engine ids
 
     def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> Engine:
         if not engine_id:
@@ -64,15 +66,16 @@ class EngineRegistry:
         engine = self._engines.get(engine_id)
         if engine is None:
             engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
+            self._lapsed.pop(engine_id, None)
         engine.expires_at = self._clock() + self.lease_s
         return engine
 
     def engine(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
         if engine is None:
-            raise NotFound(
-                f"engine {engine_id!r} is not attached (or its lease expired): call Attach"
-            )
+            if engine_id in self._lapsed:
+                raise NotFound(f"engine {engine_id!r}: its lease expired; call Attach again")
+            raise FailedPrecondition(f"engine {engine_id!r} is not attached: call Attach first")
         return engine
 
     def renew(self, engine_id: str) -> Engine:
@@ -132,6 +135,9 @@ class EngineRegistry:
         gone = [e for e in self._engines.values() if e.expires_at < now]
         for engine in gone:
             del self._engines[engine.engine_id]
+            self._lapsed[engine.engine_id] = None
+        while len(self._lapsed) > 4096:
+            self._lapsed.popitem(last=False)
         self.expired += len(gone)
         return gone
 

@@ -57,6 +57,10 @@ class Transfers:
         # (Mooncake remounts its segment about a second after its master restarts).
         self.backup_worker = Worker("backup", capacity=4096, retries=5, backoff_s=0.2)
         self._in_flight: dict[ComponentKind, list[np.ndarray]] = {}  # host pages owned by jobs
+        # Nodes with a copy queued, so a second request over the same path does not queue
+        # (and write) it again.
+        self._queued_l2: set[int] = set()
+        self._queued_l3: set[int] = set()
 
     def start(self) -> None:
         self.backup_worker.start()
@@ -227,6 +231,8 @@ class Transfers:
     def backup_to_host_async(self, node: object) -> None:
         """Like `backup_to_host`, but the copy runs on the backup worker: host pages are
         taken now, the node is pinned (its L1 pages cannot move) until the copy landed."""
+        if id(node) in self._queued_l2:
+            return
         moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
         for kind in self.ctl._kinds:
             dev = self.tree.pages_of(node, kind, Tier.DEVICE)
@@ -242,6 +248,7 @@ class Transfers:
         if not moves:
             return
         pin = self.tree.pin(node)
+        self._queued_l2.add(id(node))
 
         def land(copied: bool) -> None:
             with self.ctl._mu:
@@ -259,6 +266,7 @@ class Transfers:
                             self.stats["backups_l2"] += hi - lo
                         else:
                             self.free_l2(kind, host_ids[lo:hi])
+                self._queued_l2.discard(id(node))
                 self.tree.unlock(pin)
                 self._maybe_l3([part for part, _, _ in span])
 
@@ -302,10 +310,13 @@ class Transfers:
         finished. Dropped (counted) while the breaker is open or the queue is full."""
         l3 = self.ctl.l3
         assert l3 is not None
+        if id(node) in self._queued_l3:
+            return
         if l3.breaker.is_open:
             self.stats["backups_dropped"] += 1
             return
         pin = self.tree.pin(node)
+        self._queued_l3.add(id(node))
         namespace = self.tree.namespace_of(node)
         hashes = self.tree.page_hashes(node)
         pages = {
@@ -320,16 +331,19 @@ class Transfers:
                     if self.tree.is_live(node) and not self.tree.is_resident(node, kind, Tier.STORAGE):
                         self.tree.set_resident(node, kind, Tier.STORAGE)
                 self.stats["backups_l3"] += len(hashes) // 16
+                self._queued_l3.discard(id(node))
                 self.tree.unlock(pin)
 
         def give_up(_e: BaseException) -> None:
             with self.ctl._mu:
                 self.stats["backups_l3_failed"] += 1
+                self._queued_l3.discard(id(node))
                 if pin.active:
                     self.tree.unlock(pin)
 
         if not self.backup_worker.submit(Job("write-through", run, give_up)):
             self.stats["backups_dropped"] += 1
+            self._queued_l3.discard(id(node))
             self.tree.unlock(pin)
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:

@@ -199,11 +199,11 @@ def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
     real = ctl.l3.backend._read_into
     ctl.l3.backend._read_into = lambda k, b: (gate.wait(5), real(k, b))[1]  # type: ignore[method-assign]
     m = ctl.match("e1", MatchRequest("", seq(8), lock=True, prefetch=True))
-    ctl.cancel_prefetch(m.prefetch_id)
+    ctl.release("e1", m.lock_id, None)  # best_effort: the request moved on, the prefetch stops
     gate.set()
     assert ctl.prefetcher.worker.drain(10)
     assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.CANCELLED
-    ctl.release("e1", m.lock_id, None)
+    assert ctl.cancel_prefetch(m.prefetch_id) == ctl.prefetch_status(m.prefetch_id).tokens_ready
 
 
 def test_bad_handles_and_inputs(make) -> None:
@@ -216,7 +216,9 @@ def test_bad_handles_and_inputs(make) -> None:
         ctl.release("e1", None, m.allocation_id)
     with pytest.raises(InvalidArgument, match="multiple of 4"):
         ctl.match("e1", MatchRequest("", b"abc"))
-    with pytest.raises(NotFound, match="not attached"):
+    from hicache.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="not attached"):
         ctl.match("ghost", MatchRequest("", seq(1), lock=True))
     m2 = ctl.match("e1", MatchRequest("", seq(2), lock=True))
     with pytest.raises(NotFound):
@@ -230,6 +232,8 @@ def test_lapsed_lease_releases_locks_and_allocations(make) -> None:
     ctl.match("e1", MatchRequest("", seq(2), lock=True, allocate_tokens=8))
     time.sleep(0.1)
     assert ctl.expire_leases() == 1
+    with pytest.raises(NotFound, match="lease expired"):
+        ctl.heartbeat("e1")
     assert ctl.stats().counters["lease_released_allocations"] == 1
     assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
 

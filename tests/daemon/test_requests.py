@@ -156,9 +156,11 @@ def test_malformed_input_gets_the_right_code_and_the_daemon_keeps_serving(daemon
 
 def test_requests_before_attach_are_refused(daemon: Daemon) -> None:
     with daemon.client(engine_id="never-attached", retries=0) as c:
-        with pytest.raises(NotFound, match="never-attached"):
+        # API.md: a call that needs Attach first is FAILED_PRECONDITION (an engine whose
+        # lease expired is NOT_FOUND instead).
+        with pytest.raises(FailedPrecondition, match="never-attached"):
             c.heartbeat()
-        with pytest.raises((FailedPrecondition, NotFound)):
+        with pytest.raises(FailedPrecondition, match="call Attach first"):
             c.match(tokens(PAGE), lock=True)
 
 
