@@ -170,7 +170,10 @@ class HybridCacheController(CacheService):
             self.counters["hit_tokens_device"] += m.device_tokens
             self.counters["hit_tokens_host"] += m.host_tokens
             self.transfers.after_match(m)
-            junction = self.tree.depth_tokens(m.tail)
+            # L3 continues from the deepest boundary the tree can serve; the tree may hold
+            # nodes past it (a hybrid model's SWA window or MAMBA checkpoint missing there)
+            # that L3 can complete.
+            base = m.path[-1] if m.path else None
             known = m.device_tokens + m.host_tokens + m.storage_tokens
             lock_id = 0
             if m.lock is not None:
@@ -179,8 +182,8 @@ class HybridCacheController(CacheService):
                 )
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
-        if self.l3 is not None and junction == known and len(req.tokens) // self._pb * self._ps > junction:
-            beyond = self.tree.chain_after(req.namespace, m.tail, req.tokens[junction * 4 :])
+        if self.l3 is not None and len(req.tokens) // self._pb * self._ps > known:
+            beyond = self.tree.chain_after(req.namespace, base, req.tokens[known * 4 :])
             run = self.prefetcher.l3_run(req.namespace, beyond)
             storage_tokens += run * self._ps
             beyond = beyond[: run * 16]
@@ -191,7 +194,7 @@ class HybridCacheController(CacheService):
         with self._mu:
             if (req.prefetch and beyond and m.lock is not None
                     and storage_tokens >= self.cfg.prefetch.threshold_tokens):
-                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, m.tail, beyond)
+                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base, beyond)
                 if prefetch_id:
                     self._prefetch_of_lock[lock_id] = prefetch_id
             if req.allocate_tokens is not None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BATCH_PAGES = 64
+MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L3 lookup
 
 
 @dataclass(eq=False)
@@ -98,18 +99,31 @@ class Prefetcher:
         return out
 
     def l3_run(self, namespace: str, hashes: bytes) -> int:
-        """Leading pages beyond the tree whose families are all in L3 (MAMBA: the
-        checkpoint at the last such page must be there too)."""
+        """The deepest page boundary beyond the tree that L3 can serve: every page before
+        it has its FULL family, windowed components (SWA) have the `window` pages before
+        it, and point components (MAMBA) have a checkpoint exactly there."""
         l3 = self.ctl.l3
         assert l3 is not None
         page_hashes = [hashes[i : i + PAGE_HASH_BYTES] for i in range(0, len(hashes), PAGE_HASH_BYTES)]
-        members = [m for k in self.ctl._kinds if k is not MAMBA for m in self.ctl.cfg.model.family(k)]
-        run = l3.present_run(namespace, page_hashes, members)
-        if MAMBA in self.ctl._kinds:
-            mamba = self.ctl.cfg.model.family(MAMBA)
-            while run and not l3.has(namespace, page_hashes[run - 1], mamba):
-                run -= 1
-        return run
+        fam = self.ctl.cfg.model.family
+        run = l3.present_run(namespace, page_hashes, fam(FULL))
+        others = [c for c in self.tree.components if c.kind is not FULL]
+        if not others:
+            return run
+        for b in range(run, max(0, run - MAX_WALK_BACK), -1):
+            ok = True
+            for comp in others:
+                members = fam(comp.kind)
+                if comp.per_page:
+                    lo = max(0, b - comp.window_pages) if comp.window_pages else 0
+                    ok = l3.present_run(namespace, page_hashes[lo:b], members) == b - lo
+                else:
+                    ok = l3.has(namespace, page_hashes[b - 1], members)
+                if not ok:
+                    break
+            if ok:
+                return b
+        return 0
 
     def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes) -> int:
         """Reserve host pages and queue the reads (caller holds the mutex). Returns 0 when
@@ -161,6 +175,7 @@ class Prefetcher:
         assert l3 is not None
         cfg = self.ctl.cfg
         paged = [k for k in self.ctl._kinds if k is not MAMBA]
+        windows = {c.kind: c.window_pages for c in self.tree.components}
         total = len(op.hashes)
         done = 0
         outcome = PrefetchState.DONE
@@ -173,8 +188,20 @@ class Prefetcher:
                 got = hi - done  # leading pages of this batch whose whole family arrived
                 for kind in paged:
                     members = cfg.model.family(kind)
-                    got = min(got, l3.read(op.namespace, op.hashes[done : done + got], members,
-                                           op.host[kind][done : done + got]))
+                    window = windows.get(kind, 0)
+                    lo = max(done, total - window) if window else done
+                    if lo > done:  # outside the final window: not needed, never fetched
+                        skip = op.host[kind][done : min(lo, hi)]
+                        with self.ctl._mu:
+                            self.ctl.transfers.free_l2(kind, skip[skip >= 0])
+                        skip[:] = -1
+                    if lo >= hi:
+                        continue
+                    n = l3.read(op.namespace, op.hashes[lo:hi], members, op.host[kind][lo:hi])
+                    if kind is FULL:
+                        got = min(got, n)
+                    elif n < hi - lo:
+                        got = min(got, lo - done + n)
                     if got == 0:
                         break
                 last = done + got == total

@@ -56,6 +56,11 @@ class Transfers:
         # L3 writes retry over ~6 s: long enough for a restarted store to come back
         # (Mooncake remounts its segment about a second after its master restarts).
         self.backup_worker = Worker("backup", capacity=4096, retries=5, backoff_s=0.2)
+        # L1->L2 copies are local and fast: their own worker, never behind slow L3 writes.
+        self.copy_worker = Worker("l1-to-l2", capacity=4096, retries=0)
+        # Host pages an L3 write is reading: freeing one parks it until the write is done.
+        self._held_l2: dict[ComponentKind, Counter[int]] = {}
+        self._parked_l2: dict[ComponentKind, list[int]] = {}
         self._in_flight: dict[ComponentKind, list[np.ndarray]] = {}  # host pages owned by jobs
         # Nodes with a copy queued, so a second request over the same path does not queue
         # (and write) it again.
@@ -64,13 +69,21 @@ class Transfers:
 
     def start(self) -> None:
         self.backup_worker.start()
+        self.copy_worker.start()
 
     def close(self) -> None:
+        self.copy_worker.close()
         self.backup_worker.close()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued copy (L1->L2, then L2->L3) has landed."""
+        deadline = time.monotonic() + timeout_s
+        ok = self.copy_worker.drain(timeout_s)
+        return self.backup_worker.drain(max(0.0, deadline - time.monotonic())) and ok
 
     def counters(self) -> dict[str, int]:
         out = dict(self.stats)
-        out["backup_worker_failures"] = self.backup_worker.failures
+        out["backup_worker_failures"] = self.backup_worker.failures + self.copy_worker.failures
         return out
 
     # ------------------------------------------------------------------ room
@@ -102,8 +115,33 @@ class Transfers:
             self.ctl.device.allocator(kind).free(ids)
 
     def free_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        if not len(ids):
+            return
+        held = self._held_l2.get(kind)
+        if held:
+            busy = np.fromiter((held[int(i)] > 0 for i in ids), dtype=bool, count=len(ids))
+            if busy.any():
+                self._parked_l2.setdefault(kind, []).extend(int(i) for i in ids[busy])
+                ids = ids[~busy]
         if len(ids):
             self.ctl.host.allocator(kind).free(ids)
+
+    def _hold_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        self._held_l2.setdefault(kind, Counter()).update(int(i) for i in ids)
+
+    def _unhold_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
+        """Caller holds the mutex. Pages parked while held are freed now."""
+        held = self._held_l2[kind]
+        held.subtract(int(i) for i in ids)
+        parked = self._parked_l2.get(kind)
+        if parked:
+            ready = [i for i in parked if held[i] <= 0]
+            if ready:
+                self._parked_l2[kind] = [i for i in parked if held[i] > 0]
+                self.ctl.host.allocator(kind).free(np.array(ready, dtype=np.int64))
+        for i in ids:
+            if held[int(i)] <= 0:
+                del held[int(i)]
 
     def _evict(self, tier: Tier, kind: ComponentKind, n: int) -> None:
         """A component's own eviction first (SWA windows, MAMBA checkpoints), then whole
@@ -130,7 +168,7 @@ class Transfers:
                 if held:
                     ids = ids[~np.isin(ids, np.concatenate(held))]
                 if len(ids):
-                    pools.allocator(k).free(ids)
+                    (self.free_l1 if tier is Tier.DEVICE else self.free_l2)(k, ids)
             self.stats[f"evicted_{tier.name.lower()}_{victim_kind.value}"] += result.evicted_pages
 
     # ------------------------------------------------------------------ write policies
@@ -275,7 +313,7 @@ class Transfers:
                 self.copier.device_to_host(kind, dev, host_ids)
             land(True)
 
-        if not self.backup_worker.submit(Job("l1-to-l2", run, lambda _e: land(False))):
+        if not self.copy_worker.submit(Job("l1-to-l2", run, lambda _e: land(False))):
             # Queue full: copy here rather than lose the backup.
             for kind, dev, host_ids in moves:
                 self.copier.device_to_host(kind, dev, host_ids)
@@ -306,8 +344,10 @@ class Transfers:
             self.backup_to_storage(node)
 
     def backup_to_storage(self, node: object) -> None:
-        """Queue an L3 write of `node`'s L2 family slots; the node stays pinned until it
-        finished. Dropped (counted) while the breaker is open or the queue is full."""
+        """Queue an L3 write of `node`'s L2 family slots. Its host pages are held (a free
+        while the write runs is parked until it finished) rather than the node pinned, so
+        a slow store never locks L1 or L2 pages. Dropped (counted) while the breaker is
+        open or the queue is full."""
         l3 = self.ctl.l3
         assert l3 is not None
         if id(node) in self._queued_l3:
@@ -315,36 +355,41 @@ class Transfers:
         if l3.breaker.is_open:
             self.stats["backups_dropped"] += 1
             return
-        pin = self.tree.pin(node)
-        self._queued_l3.add(id(node))
         namespace = self.tree.namespace_of(node)
         hashes = self.tree.page_hashes(node)
         pages = {
             kind: ids for kind in self.ctl._kinds
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
+        for kind, ids in pages.items():
+            self._hold_l2(kind, ids)
+        self._queued_l3.add(id(node))
+
+        def finish(stored: bool) -> None:
+            with self.ctl._mu:
+                for kind, ids in pages.items():
+                    self._unhold_l2(kind, ids)
+                self._queued_l3.discard(id(node))
+                if not stored:
+                    self.stats["backups_l3_failed"] += 1
+                    return
+                self.stats["backups_l3"] += len(hashes) // 16
+                # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
+                # the head was written too and will only be skipped as present next time.
+                if self.tree.is_live(node):
+                    for kind in pages:
+                        if (self.tree.is_resident(node, kind, Tier.HOST)
+                                and not self.tree.is_resident(node, kind, Tier.STORAGE)):
+                            self.tree.set_resident(node, kind, Tier.STORAGE)
 
         def run() -> None:
             self._write_l3(namespace, hashes, pages)
-            with self.ctl._mu:
-                for kind in pages:
-                    if self.tree.is_live(node) and not self.tree.is_resident(node, kind, Tier.STORAGE):
-                        self.tree.set_resident(node, kind, Tier.STORAGE)
-                self.stats["backups_l3"] += len(hashes) // 16
-                self._queued_l3.discard(id(node))
-                self.tree.unlock(pin)
+            finish(True)
 
-        def give_up(_e: BaseException) -> None:
-            with self.ctl._mu:
-                self.stats["backups_l3_failed"] += 1
-                self._queued_l3.discard(id(node))
-                if pin.active:
-                    self.tree.unlock(pin)
-
-        if not self.backup_worker.submit(Job("write-through", run, give_up)):
+        if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
             self.stats["backups_dropped"] += 1
-            self._queued_l3.discard(id(node))
-            self.tree.unlock(pin)
+            finish(False)
+            self.stats["backups_l3_failed"] -= 1
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
         l3 = self.ctl.l3
@@ -466,6 +511,7 @@ class Transfers:
             return 0
         # NOTE: jobs already queued land first. A node whose L3 write is still queued is
         # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
+        self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
         self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
@@ -475,6 +521,7 @@ class Transfers:
                     node, FULL, Tier.STORAGE
                 ):
                     self.backup_to_storage(node)
+        self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
         self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
         return self.stats["backups_l3"] - before
 
@@ -497,6 +544,7 @@ class Transfers:
                             owned.append(np.array([rec.mamba_slot]))
                 else:
                     owned.extend(self._in_flight.get(kind, []))
+                    owned.append(np.array(self._parked_l2.get(kind, []), dtype=np.int64))
                     owned.extend(self.ctl.prefetcher.reserved(kind))
                 ids = np.concatenate(owned) if owned else np.empty(0, dtype=np.int64)
                 alloc = pools.allocator(kind)

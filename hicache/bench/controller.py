@@ -61,7 +61,7 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
         try:
             ctl.attach("bench", 0, 1)
             _request(ctl, tokens)
-            assert ctl.transfers.backup_worker.drain(120)
+            assert ctl.transfers.drain(120)
             l3 = ctl.l3
             assert l3 is not None
             members = cfg.model.family(FULL)

@@ -36,7 +36,7 @@ def make(tmp_path):
 
 
 def evict_all(ctl, tier: Tier) -> None:
-    assert ctl.transfers.backup_worker.drain(10)  # write-through copies land first
+    assert ctl.transfers.drain(10)  # write-through copies land first
     with ctl._mu:
         for kind in ctl._kinds:
             pools = ctl.device if tier is Tier.DEVICE else ctl.host
@@ -53,7 +53,7 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     eng = Engine(ctl)
     tokens = seq(6)
     eng.request(tokens)
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     ctl.check_integrity()
     evict_all(ctl, Tier.DEVICE)
     evict_all(ctl, Tier.HOST)
@@ -137,7 +137,7 @@ def test_sidecar_object_missing_in_l3_is_a_miss_for_the_page(make, hybrid: bool,
                write__l2_to_l3="write_through")
     eng = Engine(ctl)
     eng.request(seq(4))
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     evict_all(ctl, Tier.DEVICE)
     evict_all(ctl, Tier.HOST)
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
@@ -156,7 +156,7 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
     eng = Engine(ctl)
     tokens = seq(40)
     eng.request(tokens)
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     evict_all(ctl, Tier.DEVICE)
     evict_all(ctl, Tier.HOST)
     backend = ctl.l3.backend
@@ -192,7 +192,7 @@ def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
                prefetch__policy="best_effort")
     eng = Engine(ctl)
     eng.request(seq(8))
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     evict_all(ctl, Tier.DEVICE)
     evict_all(ctl, Tier.HOST)
     gate = threading.Event()
@@ -242,11 +242,11 @@ def test_l2_to_l3_write_back_writes_on_eviction_and_frees_after(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_back")
     eng = Engine(ctl)
     eng.request(seq(4))
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 0  # nothing goes down before eviction
     evict_all(ctl, Tier.DEVICE)
     evict_all(ctl, Tier.HOST)
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     ctl.check_integrity()  # the job freed the host pages it held
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
     assert ctl.stats().counters["backups_l3"] == 4
@@ -257,11 +257,11 @@ def test_l2_to_l3_selective_waits_for_hits(make) -> None:
                write__selective_threshold=3)
     eng = Engine(ctl)
     eng.request(seq(2))
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 0
     for _ in range(3):
         ctl.match("e1", MatchRequest("", seq(2)))
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 2
 
 
@@ -288,11 +288,11 @@ def test_async_write_through_lands_on_a_node_split_meanwhile(make) -> None:
     ctl = make(write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     gate = threading.Event()
-    ctl.transfers.backup_worker.submit(Job("gate", lambda: gate.wait(5), lambda _e: None))
+    ctl.transfers.copy_worker.submit(Job("gate", lambda: gate.wait(5), lambda _e: None))
     eng.request(seq(6))  # its L1->L2 copy waits behind the gate
     ctl.match("e1", MatchRequest("", seq(2) + seq(1, 5000)))  # splits the node after page 2
     gate.set()
-    assert ctl.transfers.backup_worker.drain(10)
+    assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 6  # head and tail both backed up
     ctl.check_integrity()
     evict_all(ctl, Tier.DEVICE)

@@ -35,7 +35,7 @@ def _run_outage(ctl, stop, start) -> None:
     eng = Engine(ctl)
     for i in range(3):
         eng.request(seq(4, 1000 * i))
-    assert ctl.transfers.backup_worker.drain(15)
+    assert ctl.transfers.drain(15)
     assert ctl.health(deep=True)[0].healthy
     stop()
     t0 = time.monotonic()
@@ -45,14 +45,15 @@ def _run_outage(ctl, stop, start) -> None:
     serving_s = time.monotonic() - t0
     assert wait_for(lambda: ctl.l3.breaker.is_open), "breaker never opened"
     assert not ctl.health(deep=True)[0].healthy
-    assert ctl.transfers.backup_worker.alive and ctl.prefetcher.worker.alive
+    assert ctl.transfers.backup_worker.alive and ctl.transfers.copy_worker.alive
+    assert ctl.prefetcher.worker.alive
     assert serving_s < 30
     before = ctl.stats().counters.get("backups_l3", 0)
     start()
     assert wait_for(lambda: not ctl.l3.breaker.is_open), "breaker never closed after restart"
     eng.request(seq(4, 50_000))
     assert wait_for(lambda: ctl.stats().counters.get("backups_l3", 0) > before), "backups did not resume"
-    assert ctl.transfers.backup_worker.drain(30)
+    assert ctl.transfers.drain(30)
     with ctl._mu:
         for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
             ctl.transfers._evict(tier, FULL, pools.allocator(FULL).total)
