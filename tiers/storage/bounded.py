@@ -15,7 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from hicache.errors import BackendUnavailable
@@ -51,6 +51,12 @@ class BoundedCaller:
     ) -> _R:
         """Run `fn(*args)` and return its result, or raise `BackendUnavailable` after
         `timeout_s`. Exceptions of `fn` propagate unchanged."""
+        return self.result(self.submit(fn, *args, **kwargs), timeout_s)
+
+    def submit(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> cf.Future[_R]:
+        """Start `fn(*args)` on the pool and return at once; collect it with `result`, so
+        that the caller can work while the call waits on the store. Raises
+        `BackendUnavailable` while a call is stuck, or once closed."""
         with self._lock:
             if self._stuck:
                 waited = time.monotonic() - self._stuck_since
@@ -59,20 +65,45 @@ class BoundedCaller:
                     "failing fast until it does"
                 )
         try:
-            future = self._pool.submit(fn, *args, **kwargs)
+            return self._pool.submit(fn, *args, **kwargs)
         except RuntimeError as e:  # pool shut down
             raise BackendUnavailable(f"{self.name}: closed") from e
+
+    def result(self, future: cf.Future[_R], timeout_s: float | None = None) -> _R:
+        """The result of a `submit`ted call, waiting at most `timeout_s` (default: the
+        caller's); a late call raises `BackendUnavailable` and counts as stuck."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return future.result(timeout=timeout_s)
+            return future.result(timeout=timeout)
         except cf.TimeoutError:
-            with self._lock:
-                if not self._stuck:
-                    self._stuck_since = time.monotonic()
-                self._stuck += 1
-            future.add_done_callback(self._unstick)
+            self._stick([future])
             raise BackendUnavailable(
-                f"{self.name}: no answer within {timeout_s:g} s (storage.timeout_s)"
+                f"{self.name}: no answer within {timeout:g} s (storage.timeout_s)"
             ) from None
+
+    def map(self, fn: Callable[..., _R], arg_tuples: Sequence[tuple[Any, ...]]) -> list[_R]:
+        """Run ``fn(*args)`` for every tuple at once on the pool; their results in order,
+        or `BackendUnavailable` when they are not all done within `timeout_s` (the late
+        ones count as stuck, like a late `call`). The first exception of `fn` propagates
+        (after every part finished, so no part still runs when this returns)."""
+        if len(arg_tuples) == 1:
+            return [self.call(fn, *arg_tuples[0])]
+        futures = [self.submit(fn, *args) for args in arg_tuples]
+        _, late = cf.wait(futures, timeout=self.timeout_s)
+        if late:
+            self._stick(list(late))
+            raise BackendUnavailable(
+                f"{self.name}: no answer within {self.timeout_s:g} s (storage.timeout_s)"
+            )
+        return [future.result() for future in futures]
+
+    def _stick(self, late: list[cf.Future[Any]]) -> None:
+        with self._lock:
+            if not self._stuck:
+                self._stuck_since = time.monotonic()
+            self._stuck += len(late)
+        for future in late:
+            future.add_done_callback(self._unstick)
 
     def _unstick(self, _: cf.Future[Any]) -> None:
         with self._lock:
