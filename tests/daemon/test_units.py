@@ -45,10 +45,13 @@ def test_token_bytes_are_checked_without_copying() -> None:
 
 
 def test_pages_round_trip_as_int64_arrays() -> None:
-    pages = {"full": np.array([5, 0, 4_000_000_000], dtype=np.int64), "k_scale": np.array([], dtype=np.int32)}
+    # Page ids are sint32 on the wire: any pool index, and -1 for an SWA tombstone.
+    pages = {"full": np.array([5, 0, 2_000_000_000], dtype=np.int64),
+             "swa": np.array([-1, -1, 7], dtype=np.int64), "k_scale": np.array([], dtype=np.int32)}
     back = convert.pages_from_pb(convert.pages_to_pb(pages))
-    assert list(back) == ["full", "k_scale"]
+    assert list(back) == ["full", "swa", "k_scale"]
     np.testing.assert_array_equal(back["full"], pages["full"])
+    np.testing.assert_array_equal(back["swa"], pages["swa"])
     assert back["k_scale"].dtype == np.int64 and back["k_scale"].size == 0
 
 
