@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
-BATCH_PAGES = 64
+BATCH_PAGES = 256  # pages per L3 read: fewer, larger calls are what the backends are fast at
 MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L3 lookup
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from hicache.tiers.base import CopyEngine
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
+BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 
 
 @dataclass
@@ -66,6 +67,10 @@ class Transfers:
         # (and write) it again.
         self._queued_l2: set[int] = set()
         self._queued_l3: set[int] = set()
+        # Notified whenever a copy lands or held host pages are released: an allocation
+        # short of room waits on it (releasing the mutex) rather than failing at once.
+        self.landed = threading.Condition(ctl._mu)
+        self._evicting = 0  # inside a tree eviction callback: never wait there
 
     def start(self) -> None:
         self.backup_worker.start()
@@ -90,25 +95,32 @@ class Transfers:
 
     def allocate_l1(self, kind: ComponentKind, n: int) -> np.ndarray:
         """`n` L1 pages of `kind`, evicting (with the L1->L2 write policy) to make room.
-        ResourceExhausted when locked pages leave no room."""
-        alloc = self.ctl.device.allocator(kind)
-        if alloc.free_count < n:
-            self._evict(Tier.DEVICE, kind, n - alloc.free_count)
-        if alloc.free_count < n:
-            raise ResourceExhausted(
-                f"L1 {kind.value}: {n} pages needed, {alloc.free_count} free and the rest locked"
-            )
-        return alloc.allocate(n)
+        Pages pinned by queued L1->L2 copies become evictable once they land, so a short
+        allocation waits for that (back-pressure, bounded). ResourceExhausted when locked
+        pages leave no room."""
+        return self._allocate(Tier.DEVICE, kind, n)
 
     def allocate_l2(self, kind: ComponentKind, n: int) -> np.ndarray:
-        alloc = self.ctl.host.allocator(kind)
-        if alloc.free_count < n:
-            self._evict(Tier.HOST, kind, n - alloc.free_count)
-        if alloc.free_count < n:
-            raise ResourceExhausted(
-                f"L2 {kind.value}: {n} pages needed, {alloc.free_count} free and the rest locked"
-            )
-        return alloc.allocate(n)
+        return self._allocate(Tier.HOST, kind, n)
+
+    def _allocate(self, tier: Tier, kind: ComponentKind, n: int) -> np.ndarray:
+        pools = self.ctl.device if tier is Tier.DEVICE else self.ctl.host
+        alloc = pools.allocator(kind)
+        deadline = time.monotonic() + BACKPRESSURE_S
+        while True:
+            if alloc.free_count < n:
+                self._evict(tier, kind, n - alloc.free_count)
+            if alloc.free_count >= n:
+                return alloc.allocate(n)
+            pending = self._queued_l2 or (tier is Tier.HOST and any(self._parked_l2.values()))
+            left = deadline - time.monotonic()
+            if not pending or self._evicting or left <= 0:
+                raise ResourceExhausted(
+                    f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed, "
+                    f"{alloc.free_count} free and the rest locked"
+                )
+            self.stats["allocation_waits"] += 1
+            self.landed.wait(min(left, 0.05))
 
     def free_l1(self, kind: ComponentKind, ids: np.ndarray) -> None:
         if len(ids):
@@ -142,6 +154,7 @@ class Transfers:
         for i in ids:
             if held[int(i)] <= 0:
                 del held[int(i)]
+        self.landed.notify_all()
 
     def _evict(self, tier: Tier, kind: ComponentKind, n: int) -> None:
         """A component's own eviction first (SWA windows, MAMBA checkpoints), then whole
@@ -156,13 +169,17 @@ class Transfers:
             if short <= 0:
                 break
             deferred: list[tuple[ComponentKind, np.ndarray]] = []
-            if tier is Tier.DEVICE:
-                result = self.tree.evict(tier, victim_kind, short, before_drop=self._l1_victim)
-            else:
-                result = self.tree.evict(
-                    tier, victim_kind, short,
-                    before_drop=lambda v, d=deferred: self._l2_victim(v, d),  # type: ignore[misc]
-                )
+            self._evicting += 1
+            try:
+                if tier is Tier.DEVICE:
+                    result = self.tree.evict(tier, victim_kind, short, before_drop=self._l1_victim)
+                else:
+                    result = self.tree.evict(
+                        tier, victim_kind, short,
+                        before_drop=lambda v, d=deferred: self._l2_victim(v, d),  # type: ignore[misc]
+                    )
+            finally:
+                self._evicting -= 1
             for k, ids in result.freed.items():
                 held = [d for kk, d in deferred if kk is k]
                 if held:
@@ -306,6 +323,7 @@ class Transfers:
                             self.free_l2(kind, host_ids[lo:hi])
                 self._queued_l2.discard(id(node))
                 self.tree.unlock(pin)
+                self.landed.notify_all()
                 self._maybe_l3([part for part, _, _ in span])
 
         def run() -> None:

@@ -84,6 +84,9 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
                 assert op is not None
                 while ctl.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING:
                     time.sleep(0.0005)
+                ctl.release("bench", m.lock_id, None)
+                m = ctl.match("bench", MatchRequest("", tokens, lock=True))  # now host-resident
+                assert m.host_tokens == tokens_n, (m.device_tokens, m.host_tokens)
                 for _progress in ctl.load("bench", m.lock_id):
                     pass
                 ours.append(time.perf_counter() - t0)

@@ -184,7 +184,7 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
         later = ctl.match("e1", MatchRequest("", tokens))
         assert later.host_tokens == 128  # late pages were inserted for later requests
     finally:
-        pf.BATCH_PAGES = 64
+        pf.BATCH_PAGES = 256
 
 
 def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
