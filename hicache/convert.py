@@ -10,6 +10,7 @@ stay `bytes` end to end.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -86,6 +87,12 @@ def tokens_to_bytes(tokens: bytes | np.ndarray | Iterable[int]) -> bytes:
 
 def pages_to_pb(pages: PagesByMember) -> list[pb.MemberPages]:
     return [pb.MemberPages(member=name, page_ids=ids.tolist()) for name, ids in pages.items()]
+
+
+def add_pages(field: Any, pages: PagesByMember) -> None:
+    """`pages` appended to a `repeated MemberPages` field in place (no message copy)."""
+    for name, ids in pages.items():
+        field.add(member=name, page_ids=ids.tolist())
 
 
 def pages_from_pb(pages: Iterable[pb.MemberPages]) -> dict[str, np.ndarray]:
@@ -202,16 +209,17 @@ def match_request_from_pb(r: pb.MatchPrefixRequest, limit: int) -> MatchRequest:
 
 
 def match_to_pb(m: MatchOutcome) -> pb.MatchPrefixResponse:
-    return pb.MatchPrefixResponse(
+    r = pb.MatchPrefixResponse(
         device_tokens=m.device_tokens,
         host_tokens=m.host_tokens,
         storage_tokens=m.storage_tokens,
-        device_pages=pages_to_pb(m.device_pages),
         lock_id=m.lock_id,
         prefetch_id=m.prefetch_id,
         allocation_id=m.allocation_id,
-        pages=pages_to_pb(m.pages),
     )
+    add_pages(r.device_pages, m.device_pages)
+    add_pages(r.pages, m.pages)
+    return r
 
 
 def match_from_pb(r: pb.MatchPrefixResponse) -> MatchOutcome:
