@@ -186,7 +186,13 @@ class HybridCacheController(CacheService):
             beyond = self.tree.chain_after(req.namespace, base, req.tokens[known * 4 :])
             run = self.prefetcher.l3_run(req.namespace, beyond)
             storage_tokens += run * self._ps
-            beyond = beyond[: run * 16]
+            fetch = run
+            if req.prefetch and len(self.tree.components) > 1 and 0 < self.prefetcher.budget_left() < run:
+                # Over the prefetch budget: stop at the deepest boundary a hybrid model can
+                # reuse (an earlier checkpoint), not at a page it could not use at all.
+                fetch = self.prefetcher.l3_run(req.namespace, beyond,
+                                               limit=self.prefetcher.budget_left())
+            beyond = beyond[: fetch * 16]
         self.counters["hit_tokens_storage"] += storage_tokens
         prefetch_id = 0
         alloc_id = 0

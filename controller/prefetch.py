@@ -90,6 +90,11 @@ class Prefetcher:
         with self.ctl._mu:
             return self._ops.get(op_id)
 
+    def budget_left(self) -> int:
+        """Host pages a new prefetch may still reserve (read without the mutex: a hint)."""
+        total = self.ctl.host.allocator(FULL).total
+        return int(self.ctl.cfg.tiers.l2.prefetch_fraction * total) - self._reserved_pages
+
     def reserved(self, kind: ComponentKind) -> list[np.ndarray]:
         out = []
         for op in self._ops.values():
@@ -98,13 +103,15 @@ class Prefetcher:
                 out.append(ids[ids >= 0])
         return out
 
-    def l3_run(self, namespace: str, hashes: bytes) -> int:
-        """The deepest page boundary beyond the tree that L3 can serve: every page before
-        it has its FULL family, windowed components (SWA) have the `window` pages before
-        it, and point components (MAMBA) have a checkpoint exactly there."""
+    def l3_run(self, namespace: str, hashes: bytes, limit: int | None = None) -> int:
+        """The deepest page boundary beyond the tree (at most `limit` pages) that L3 can
+        serve: every page before it has its FULL family, windowed components (SWA) have
+        the `window` pages before it, point components (MAMBA) a checkpoint exactly there."""
         l3 = self.ctl.l3
         assert l3 is not None
         page_hashes = [hashes[i : i + PAGE_HASH_BYTES] for i in range(0, len(hashes), PAGE_HASH_BYTES)]
+        if limit is not None:
+            page_hashes = page_hashes[:limit]
         fam = self.ctl.cfg.model.family
         run = l3.present_run(namespace, page_hashes, fam(FULL))
         others = [c for c in self.tree.components if c.kind is not FULL]
