@@ -22,7 +22,7 @@ import numpy as np
 from hicache.controller.base import PrefetchInfo, PrefetchState
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, ResourceExhausted
-from hicache.keys import PAGE_HASH_BYTES
+from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import TreeLock
 from hicache.types import ComponentKind, PrefetchPolicy, Tier
 
@@ -109,7 +109,7 @@ class Prefetcher:
         the `window` pages before it, point components (MAMBA) a checkpoint exactly there."""
         l3 = self.ctl.l3
         assert l3 is not None
-        page_hashes = [hashes[i : i + PAGE_HASH_BYTES] for i in range(0, len(hashes), PAGE_HASH_BYTES)]
+        page_hashes = split_hashes(hashes)
         if limit is not None:
             page_hashes = page_hashes[:limit]
         fam = self.ctl.cfg.model.family

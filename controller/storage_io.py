@@ -16,7 +16,7 @@ import numpy as np
 from hicache.config import MemberSpec
 from hicache.controller.workers import CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
-from hicache.keys import PAGE_HASH_BYTES, storage_key
+from hicache.keys import storage_key
 from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
 
@@ -133,7 +133,3 @@ class L3Store:
         self.errors += 1
         self.breaker.failure()
         log.warning("L3 %s: %s", self.name, e)
-
-
-def split_hashes(blob: bytes) -> list[bytes]:
-    return [blob[i : i + PAGE_HASH_BYTES] for i in range(0, len(blob), PAGE_HASH_BYTES)]

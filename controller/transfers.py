@@ -18,6 +18,7 @@ import numpy as np
 from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, ResourceExhausted
+from hicache.keys import split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, Tier, WritePolicy
 
@@ -412,7 +413,7 @@ class Transfers:
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
         l3 = self.ctl.l3
         assert l3 is not None
-        page_hashes = [hashes[i : i + 16] for i in range(0, len(hashes), 16)]
+        page_hashes = split_hashes(hashes)
         for kind, ids in pages.items():
             members = self.cfg.model.family(kind)
             targets = page_hashes[-1:] if kind is MAMBA else page_hashes

@@ -22,7 +22,7 @@ from hicache.bench.services import start_redis
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController, build_controller
-from hicache.keys import chain_hashes, chain_seed
+from hicache.keys import chain_hashes, chain_seed, split_hashes
 from hicache.tiers.storage.base import GetStatus
 from hicache.types import ComponentKind, Tier
 
@@ -66,7 +66,7 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
             assert l3 is not None
             members = cfg.model.family(FULL)
             flat = chain_hashes(chain_seed("", cfg.model.id, cfg.model.kv_dtype), tokens, PAGE * 4)
-            keys = l3.keys("", [flat[i : i + 16] for i in range(0, len(flat), 16)], members)
+            keys = l3.keys("", split_hashes(flat), members)
             n_pages = len(keys)
             obj = ctl.host.object_bytes[members[0].name]
             scratch = [np.empty(obj, dtype=np.uint8) for _ in keys]

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from hicache.controller.base import AttachInfo
-from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
+from hicache.keys import chain_hashes, chain_seed, split_hashes
 from hicache.types import ComponentKind
 
 
@@ -27,7 +27,7 @@ class KvOracle:
 
     def _hashes(self, tokens: bytes) -> list[bytes]:
         blob = chain_hashes(self.seed, tokens, self.page_size * 4)
-        return [blob[i : i + PAGE_HASH_BYTES] for i in range(0, len(blob), PAGE_HASH_BYTES)]
+        return list(split_hashes(blob))
 
     @staticmethod
     def _expected(keys: list[bytes], tag: bytes, width: int) -> np.ndarray:

@@ -842,9 +842,6 @@ class HiRadixTree:
                 for tier in range(PAGED_TIERS):
                     self._queues[tier][comp.index].offer(end, force=True)
 
-    def session_generation(self, session_id: str) -> int:
-        return self._sessions.open(session_id)
-
     def close_session(self, session_id: str) -> int:
         """Drop the session's references (not its data); returns how many nodes it
         referenced. A recently closed session returns 0; an unknown one is NotFound."""
