@@ -331,14 +331,13 @@ class HybridCacheController(CacheService):
                 self._engines.pop_lock(engine_id, req.lock_id or 0)
                 self._request_moves_on(req.lock_id)
             if alloc is not None:
-                self._consume_allocation(engine_id, req, alloc, begin, need, slot, result.released)
+                self._consume_allocation(engine_id, req, alloc, begin, need, slot)
             if result.end is not None:
                 self.transfers.after_insert(result.end)
             return InsertOutcome(result.inserted_tokens, result.reused_tokens)
 
     def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
-                            begin: int, used: int, slot: int | None,
-                            released: dict[ComponentKind, np.ndarray] | object) -> None:
+                            begin: int, used: int, slot: int | None) -> None:
         """Pages the tree now owns (or handed back) leave the allocation; the rest stays
         for decode growth, or is freed by the final insert."""
         lo = max(0, begin - alloc.start_page)

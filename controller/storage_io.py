@@ -9,7 +9,8 @@ of its family are: a missing sidecar object makes the whole page a miss.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
 
 log = logging.getLogger("hicache.controller.l3")
+_S = TypeVar("_S", GetStatus, PutStatus)
 
 
 class L3Store:
@@ -77,48 +79,42 @@ class L3Store:
              host_ids: np.ndarray) -> int:
         """Read pages (whole families) into the host slots `host_ids` (one per page);
         returns how many leading pages arrived intact. Raises BackendUnavailable."""
-        if not self.breaker.allow():
-            raise BackendUnavailable(f"{self.name}: circuit breaker open")
-        keys = self.keys(namespace, hashes, members)
-        buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
-        try:
-            statuses = self.backend.get_into(keys, buffers)
-        except BackendUnavailable as e:
-            self._failed(e)
-            raise
-        self.breaker.success()
-        ok = 0
+        keys, statuses = self._transfer(self.backend.get_into, namespace, hashes, members, host_ids)
         per = len(members)
         for page in range(len(hashes)):
-            group = statuses[page * per : (page + 1) * per]
-            if any(s is not GetStatus.HIT for s in group):
+            if any(s is not GetStatus.HIT for s in statuses[page * per : (page + 1) * per]):
                 self.cache.forget(keys[page * per : (page + 1) * per])
-                break
-            ok += 1
-        return ok
+                return page
+        return len(hashes)
 
     def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
               host_ids: np.ndarray) -> int:
         """Store pages from their host slots; returns pages now in L3. Raises
         BackendUnavailable (breaker open or the store did not answer)."""
+        keys, statuses = self._transfer(self.backend.put_from, namespace, hashes, members, host_ids)
+        per = len(members)
+        stored = 0
+        for page in range(len(hashes)):
+            if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in statuses[page * per : (page + 1) * per]):
+                stored += 1
+                self.cache.add_present(keys[page * per : (page + 1) * per])
+        return stored
+
+    def _transfer(self, call: Callable[[list[str], list[np.ndarray]], list[_S]], namespace: str,
+                  hashes: Sequence[bytes], members: Sequence[MemberSpec],
+                  host_ids: np.ndarray) -> tuple[list[str], list[_S]]:
+        """One backend batch over the page objects of `host_ids`, through the breaker."""
         if not self.breaker.allow():
             raise BackendUnavailable(f"{self.name}: circuit breaker open")
         keys = self.keys(namespace, hashes, members)
         buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
         try:
-            statuses = self.backend.put_from(keys, buffers)
+            statuses = call(keys, buffers)
         except BackendUnavailable as e:
             self._failed(e)
             raise
         self.breaker.success()
-        per = len(members)
-        stored = 0
-        for page in range(len(hashes)):
-            group = statuses[page * per : (page + 1) * per]
-            if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in group):
-                stored += 1
-                self.cache.add_present(keys[page * per : (page + 1) * per])
-        return stored
+        return keys, statuses
 
     def probe(self, deep: bool = False) -> BackendHealth:
         health = self.backend.health(deep)

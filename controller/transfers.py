@@ -159,8 +159,7 @@ class Transfers:
 
     def _evict(self, tier: Tier, kind: ComponentKind, n: int) -> None:
         """A component's own eviction first (SWA windows, MAMBA checkpoints), then whole
-        leaves, which free every slot of their family. Host pages handed to a write-back
-        job (`deferred`) are freed by that job, not here. Re-entrant: an L1 write-back may
+        leaves, which free every slot of their family. Re-entrant: an L1 write-back may
         evict from L2 while an L1 eviction is under way."""
         pools = self.ctl.device if tier is Tier.DEVICE else self.ctl.host
         alloc = pools.allocator(kind)
@@ -169,24 +168,15 @@ class Transfers:
             short = target - alloc.free_count
             if short <= 0:
                 break
-            deferred: list[tuple[ComponentKind, np.ndarray]] = []
+            callback = self._l1_victim if tier is Tier.DEVICE else self._l2_victim
             self._evicting += 1
             try:
-                if tier is Tier.DEVICE:
-                    result = self.tree.evict(tier, victim_kind, short, before_drop=self._l1_victim)
-                else:
-                    result = self.tree.evict(
-                        tier, victim_kind, short,
-                        before_drop=lambda v, d=deferred: self._l2_victim(v, d),  # type: ignore[misc]
-                    )
+                result = self.tree.evict(tier, victim_kind, short, before_drop=callback)
             finally:
                 self._evicting -= 1
+            free = self.free_l1 if tier is Tier.DEVICE else self.free_l2
             for k, ids in result.freed.items():
-                held = [d for kk, d in deferred if kk is k]
-                if held:
-                    ids = ids[~np.isin(ids, np.concatenate(held))]
-                if len(ids):
-                    (self.free_l1 if tier is Tier.DEVICE else self.free_l2)(k, ids)
+                free(k, ids)  # host pages a write-back job holds are parked, not freed
             self.stats[f"evicted_{tier.name.lower()}_{victim_kind.value}"] += result.evicted_pages
 
     # ------------------------------------------------------------------ write policies
@@ -197,37 +187,33 @@ class Transfers:
             return
         self.backup_to_host(victim.node)
 
-    def _l2_victim(self, victim: Victim, deferred: list[tuple[ComponentKind, np.ndarray]]) -> None:
-        """A slot leaving L2: under write_back it goes to L3 first. The host pages stay
-        owned by the backup job until the write finished, so nothing waits on L3 here."""
+    def _l2_victim(self, victim: Victim) -> None:
+        """A slot leaving L2: under write_back it goes to L3 first. Its host pages are
+        held, so the eviction's free parks them until the write finished: nothing on the
+        serving path waits on L3."""
         if (self.cfg.write.l2_to_l3 is not WritePolicy.WRITE_BACK or self.ctl.l3 is None
                 or self.tree.is_resident(victim.node, FULL, Tier.STORAGE)):
             return
         namespace = self.tree.namespace_of(victim.node)
         hashes = victim.hashes()
-        pages = {k: np.array(v, copy=True) for k, v in victim.pages.items()}
-        for kind, ids in victim.pages.items():
-            deferred.append((kind, ids))
+        pages = dict(victim.pages)
         for kind, ids in pages.items():
-            self._in_flight.setdefault(kind, []).append(ids)
-
-        def write() -> None:
-            self._write_l3(namespace, hashes, pages)
+            self._hold_l2(kind, ids)
 
         def release(_e: BaseException | None = None) -> None:
             with self.ctl._mu:
                 for kind, ids in pages.items():
-                    self._drop_in_flight(kind, ids)
-                    self.free_l2(kind, ids)
+                    self._unhold_l2(kind, ids)
 
         def run() -> None:
-            write()  # raises to be retried; the give-up path releases the pages
+            self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
             self.stats["backups_l3"] += len(hashes) // 16
             release()
 
         if self.ctl.l3.breaker.is_open or not self.backup_worker.submit(Job("write-back", run, release)):
             self.stats["backups_dropped"] += len(hashes) // 16
-            release()
+            for kind, ids in pages.items():  # not parked yet: the eviction frees them now
+                self._unhold_l2(kind, ids)
 
     def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:
         """The nodes that now hold the last `pages` pages of the path to `end`, root
@@ -250,25 +236,32 @@ class Transfers:
                 del held[i]
                 return
 
-    def backup_to_host(self, node: object) -> bool:
-        """Copy `node`'s family slots that L2 lacks from L1 (synchronous: a local copy)."""
-        moved = False
+    def _host_copies(self, node: object) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
+        """(kind, L1 pages, fresh L2 pages) for each family slot of `node` that L2 lacks,
+        FULL first; stops (counted) when L2 has no room."""
+        moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
         for kind in self.ctl._kinds:
             dev = self.tree.pages_of(node, kind, Tier.DEVICE)
             if dev is None or self.tree.is_resident(node, kind, Tier.HOST):
                 continue
-            if kind is not FULL and not self.tree.is_resident(node, FULL, Tier.HOST):
-                continue
             try:
-                host_ids = self.allocate_l2(kind, len(dev))
+                moves.append((kind, dev, self.allocate_l2(kind, len(dev))))
             except ResourceExhausted:
                 self.stats["backups_l2_skipped"] += 1
-                return moved
+                break
+        return moves
+
+    def backup_to_host(self, node: object) -> bool:
+        """Copy `node`'s family slots that L2 lacks from L1 (synchronous: a local copy)."""
+        moves = self._host_copies(node)
+        for kind, dev, host_ids in moves:
             self.copier.device_to_host(kind, dev, host_ids)
-            self.tree.set_resident(node, kind, Tier.HOST, host_ids)
-            self.stats["backups_l2"] += len(dev)
-            moved = True
-        return moved
+            if kind is FULL or self.tree.is_resident(node, FULL, Tier.HOST):
+                self.tree.set_resident(node, kind, Tier.HOST, host_ids)
+                self.stats["backups_l2"] += len(dev)
+            else:  # FULL could not go: a slot alone in L2 is of no use
+                self.free_l2(kind, host_ids)
+        return bool(moves)
 
     def after_insert(self, end: object) -> None:
         """Write-through at insert: L1 -> L2 for the path's new pages (on the backup
@@ -289,20 +282,11 @@ class Transfers:
         taken now, the node is pinned (its L1 pages cannot move) until the copy landed."""
         if id(node) in self._queued_l2:
             return
-        moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
-        for kind in self.ctl._kinds:
-            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
-            if dev is None or self.tree.is_resident(node, kind, Tier.HOST):
-                continue
-            try:
-                host_ids = self.allocate_l2(kind, len(dev))
-            except ResourceExhausted:
-                self.stats["backups_l2_skipped"] += 1
-                break
-            moves.append((kind, dev, host_ids))
-            self._in_flight.setdefault(kind, []).append(host_ids)
+        moves = self._host_copies(node)
         if not moves:
             return
+        for kind, _dev, host_ids in moves:
+            self._in_flight.setdefault(kind, []).append(host_ids)
         pin = self.tree.pin(node)
         self._queued_l2.add(id(node))
 
