@@ -131,10 +131,78 @@ class PoolUsage:
     locked_pages: int
 
 
+class L3Op(enum.Enum):
+    """The L3 backend calls the controller makes (labels of the latency histograms)."""
+
+    EXISTS = "exists"  # exists_prefix: how much of a prefix is stored
+    GET = "get"  # get_into: read pages into L2 (prefetch)
+    PUT = "put"  # put_from: write pages from L2 (backup)
+    PROBE = "probe"  # shallow health check
+    PROBE_DEEP = "probe_deep"  # health check with a canary round trip
+
+
+class L3Outcome(enum.Enum):
+    """How a whole L3 call ended. Per-key results (miss, corrupt, refused) are an `OK` call."""
+
+    OK = "ok"
+    UNAVAILABLE = "unavailable"  # BackendUnavailable: unreachable, timed out, disk full; or unhealthy
+    ERROR = "error"  # any other exception (a bug or a malformed call)
+
+
+# Upper bounds (seconds) of the L3 latency buckets, ascending; a last +Inf bucket is implied.
+# 50 µs (a cached local file) to 10 s (past any sane storage.timeout_s), ~x2-2.5 apart.
+L3_OP_BUCKETS: tuple[float, ...] = (
+    50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+@dataclass(frozen=True)
+class L3OpLatency:
+    """Latency distribution of one (op, outcome) series of one backend."""
+
+    op: L3Op
+    outcome: L3Outcome
+    bucket_counts: tuple[int, ...]  # per bucket, NOT cumulative; len(bounds) + 1 (+Inf last)
+    sum_seconds: float
+
+    @property
+    def count(self) -> int:
+        return sum(self.bucket_counts)
+
+    @property
+    def cumulative_counts(self) -> tuple[int, ...]:
+        """Calls at or below each bound (Prometheus `le` buckets); the last is `count`."""
+        out: list[int] = []
+        total = 0
+        for c in self.bucket_counts:
+            total += c
+            out.append(total)
+        return tuple(out)
+
+    @property
+    def mean_seconds(self) -> float:
+        n = self.count
+        return self.sum_seconds / n if n else 0.0
+
+
+@dataclass(frozen=True)
+class L3Stats:
+    """One L3 backend as the controller saw it: call latencies (only series with at least
+    one call) and the object bytes it moved (whole objects, header included)."""
+
+    backend: str
+    bounds: tuple[float, ...]  # bucket upper bounds in seconds, ascending (+Inf implied)
+    ops: tuple[L3OpLatency, ...]
+    bytes_read: int = 0  # objects read intact (GetStatus.HIT)
+    bytes_written: int = 0  # objects stored (PutStatus.STORED)
+
+
 @dataclass(frozen=True)
 class StatsSnapshot:
     pools: tuple[PoolUsage, ...]
     counters: Mapping[str, int]  # lookups, hit_tokens_device/host/storage, evictions_*, ...
+    l3: tuple[L3Stats, ...] = ()  # one per configured L3 backend (none without one)
 
 
 class CacheService(abc.ABC):

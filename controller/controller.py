@@ -433,7 +433,8 @@ class HybridCacheController(CacheService):
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
                 counters["l3_breaker_trips"] = self.l3.breaker.trips
-        return StatsSnapshot(tuple(pools), counters)
+        l3 = (self.l3.stats(),) if self.l3 is not None else ()
+        return StatsSnapshot(tuple(pools), counters, l3)
 
     def health(self, deep: bool) -> tuple[BackendHealth, ...]:
         if self.l3 is None:

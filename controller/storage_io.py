@@ -4,17 +4,23 @@ Every call goes through the circuit breaker: while it is open, lookups answer "n
 at once and writes are refused (the caller counts a dropped backup), so a dead backend
 costs the serving path nothing. A page is present only when the objects of EVERY member
 of its family are: a missing sidecar object makes the whole page a miss.
+
+Every call that reaches the backend is timed by operation and outcome (`L3OpRecorder`);
+`stats()` reports those latencies with the bytes the backend moved.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from hicache.config import MemberSpec
+from hicache.controller.base import L3Op, L3Outcome, L3Stats
+from hicache.controller.l3_latency import L3OpRecorder
 from hicache.controller.workers import CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
 from hicache.keys import storage_key
@@ -37,6 +43,7 @@ class L3Store:
         self.cache = cache or ExistenceCache()
         self.errors = 0
         self.last_health: BackendHealth | None = None
+        self.latency = L3OpRecorder(backend.name)
 
     @property
     def name(self) -> str:
@@ -62,7 +69,8 @@ class L3Store:
         if not self.breaker.allow():
             return known // len(members)
         try:
-            run = known + self.backend.exists_prefix(keys[known:])
+            with self.latency.timed(L3Op.EXISTS):
+                run = known + self.backend.exists_prefix(keys[known:])
         except BackendUnavailable as e:
             self._failed(e)
             return known // len(members)
@@ -79,7 +87,8 @@ class L3Store:
              host_ids: np.ndarray) -> int:
         """Read pages (whole families) into the host slots `host_ids` (one per page);
         returns how many leading pages arrived intact. Raises BackendUnavailable."""
-        keys, statuses = self._transfer(self.backend.get_into, namespace, hashes, members, host_ids)
+        keys, statuses = self._transfer(L3Op.GET, self.backend.get_into, namespace, hashes,
+                                        members, host_ids)
         per = len(members)
         for page in range(len(hashes)):
             if any(s is not GetStatus.HIT for s in statuses[page * per : (page + 1) * per]):
@@ -91,7 +100,8 @@ class L3Store:
               host_ids: np.ndarray) -> int:
         """Store pages from their host slots; returns pages now in L3. Raises
         BackendUnavailable (breaker open or the store did not answer)."""
-        keys, statuses = self._transfer(self.backend.put_from, namespace, hashes, members, host_ids)
+        keys, statuses = self._transfer(L3Op.PUT, self.backend.put_from, namespace, hashes,
+                                        members, host_ids)
         per = len(members)
         stored = 0
         for page in range(len(hashes)):
@@ -100,8 +110,8 @@ class L3Store:
                 self.cache.add_present(keys[page * per : (page + 1) * per])
         return stored
 
-    def _transfer(self, call: Callable[[list[str], list[np.ndarray]], list[_S]], namespace: str,
-                  hashes: Sequence[bytes], members: Sequence[MemberSpec],
+    def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],
+                  namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
                   host_ids: np.ndarray) -> tuple[list[str], list[_S]]:
         """One backend batch over the page objects of `host_ids`, through the breaker."""
         if not self.breaker.allow():
@@ -109,7 +119,8 @@ class L3Store:
         keys = self.keys(namespace, hashes, members)
         buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
         try:
-            statuses = call(keys, buffers)
+            with self.latency.timed(op):
+                statuses = call(keys, buffers)
         except BackendUnavailable as e:
             self._failed(e)
             raise
@@ -117,13 +128,23 @@ class L3Store:
         return keys, statuses
 
     def probe(self, deep: bool = False) -> BackendHealth:
+        """Ask the backend's health now (timed; an unhealthy answer counts as UNAVAILABLE)."""
+        t0 = time.perf_counter()
         health = self.backend.health(deep)
+        self.latency.record(L3Op.PROBE_DEEP if deep else L3Op.PROBE,
+                            L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
+                            time.perf_counter() - t0)
         self.last_health = health
         if health.healthy:
             self.breaker.success()
         else:
             self.breaker.failure()
         return health
+
+    def stats(self) -> L3Stats:
+        """Latency of every call so far, and the bytes the backend read and stored."""
+        counted = self.backend.stats()
+        return self.latency.snapshot(counted.bytes_read, counted.bytes_written)
 
     def _failed(self, e: Exception) -> None:
         self.errors += 1

@@ -4,9 +4,10 @@ Two sources:
 - RPC latency, observed by the interceptor per (method, code): `hicache_rpc_seconds`.
 - Everything the core counts, read from `CacheService.stats()` / `health()` at scrape time
   by `CoreCollector`, so the core stays the one owner of its counters and a scrape always
-  sees one consistent snapshot.
+  sees one consistent snapshot. That includes the L3 call latencies the controller keeps
+  (`hicache_l3_op_seconds{backend,op,outcome}`, exported as a real histogram).
 
-Labels are fixed vocabularies (method, code, tier, member, outcome, backend): never a
+Labels are fixed vocabularies (method, code, tier, member, op, outcome, backend): never a
 namespace (it can identify a tenant) and never anything from credentials.
 """
 
@@ -19,8 +20,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from hicache.controller.base import CacheService, StatsSnapshot
 from hicache.convert import canonical_counters
@@ -79,6 +85,7 @@ class CoreCollector(Collector):
             return
         yield from pool_families(snap)
         yield from counter_families(snap)
+        yield from l3_families(snap)
         try:
             backends = self._core.health(False)
         except Exception:
@@ -110,6 +117,29 @@ def pool_families(snap: StatsSnapshot) -> Iterator[GaugeMetricFamily]:
         for p in snap.pools:
             fam.add_metric((p.tier, p.member), float(getattr(p, attr)))
         yield fam
+
+
+def l3_families(snap: StatsSnapshot) -> Iterator[Any]:
+    """L3 call latency histograms (cumulative `le` buckets, _sum, _count) per backend, op and
+    outcome, and the object bytes each backend read and stored."""
+    latency = HistogramMetricFamily(
+        "hicache_l3_op_seconds",
+        "latency of L3 backend calls by operation and outcome",
+        labels=("backend", "op", "outcome"),
+    )
+    moved = CounterMetricFamily(
+        "hicache_l3_bytes", "object bytes read (op=get) and stored (op=put) in L3",
+        labels=("backend", "op"),
+    )
+    for l3 in snap.l3:
+        bounds = [floatToGoString(b) for b in l3.bounds] + ["+Inf"]
+        for s in l3.ops:
+            buckets = list(zip(bounds, s.cumulative_counts, strict=True))
+            latency.add_metric((l3.backend, s.op.value, s.outcome.value), buckets, s.sum_seconds)
+        moved.add_metric((l3.backend, "get"), float(l3.bytes_read))
+        moved.add_metric((l3.backend, "put"), float(l3.bytes_written))
+    yield latency
+    yield moved
 
 
 def counter_families(snap: StatsSnapshot) -> Iterator[Any]:
