@@ -68,6 +68,10 @@ class HiRadixTree:
         assert all(c.per_page for c in self._path_comps), "path-scoped slots hold a page per page"
         self._point_comps = [c for c in self.components if not c.path_scoped]
         self._others = self.components[1:]
+        self._page_comps = [c for c in self.components if c.per_page]
+        # Components that vote on boundaries besides FULL; unwindowed ones answer from
+        # one node, so they are asked first.
+        self._voters = sorted(self._others, key=lambda c: c.window_pages)
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
         self._tick = 0
@@ -81,17 +85,11 @@ class HiRadixTree:
         ]
 
     def _make_queue(self, tier: int, comp: Component) -> EvictionQueue:
-        if self._lfu:
-            def rank(n: Node) -> tuple[int, ...]:
-                return comp.rank(n, (n.hits, n.last_access))
-        else:
-            def rank(n: Node) -> tuple[int, ...]:
-                return comp.rank(n, (n.last_access, 0))
         ci = comp.index
         return EvictionQueue(
             1 << (tier * self._ncomp + ci),
-            rank,
-            lambda n: comp.is_candidate(n, tier),
+            comp.rank_key(self._lfu),
+            comp.candidate_test(tier),
             lambda n: n.lock[ci] > 0,
         )
 
@@ -208,14 +206,17 @@ class HiRadixTree:
         return first // self.page_size
 
     def _boundary(self, path: Sequence[Node], tiers: int) -> int:
-        """How many nodes of `path` lie above the deepest boundary every component accepts."""
-        full = self.components[0]
-        n = full.valid_prefix(path, tiers)
-        if not self._others or n == 0:
+        """How many nodes of `path` lie above the deepest boundary every component accepts
+        (deepest first: a rejection moves one boundary up, it does not end the walk)."""
+        n = self.components[FULL_INDEX].valid_prefix(path, tiers)
+        voters = self._voters
+        if not voters:
             return n
-        votes = [c.valid(path[:n], tiers) for c in self._others]
         for i in range(n, 0, -1):
-            if all(v[i - 1] for v in votes):
+            for comp in voters:
+                if not comp.valid_at(path, i, tiers):
+                    break
+            else:
                 return i
         return 0
 
@@ -355,22 +356,29 @@ class HiRadixTree:
 
     def _lock_path(self, end: Node, delta: int) -> None:
         # Hot: runs twice per request over the whole path, hence the inlined counters.
+        # Path-scoped slots of a node are always locked together, so one count (FULL's)
+        # says whether the node's lock state flips.
         indices = self._path_idx
         locked = self._locked
         node: Node | None = end
         while node is not None and node.parent is not None:
             lk = node.lock
-            for ci in indices:
-                before = lk[ci]
-                lk[ci] = before + delta
-                if before == 0 or before + delta == 0:
-                    mask = node.mask[ci]
-                    n = node.npages * delta
-                    if mask & 1:
+            before = lk[FULL_INDEX]
+            after = before + delta
+            if before and after:
+                for ci in indices:
+                    lk[ci] = after
+            else:
+                n = node.npages * delta
+                mask = node.mask
+                for ci in indices:
+                    lk[ci] = after
+                    m = mask[ci]
+                    if m & 1:
                         locked[0][ci] += n
-                    if mask & 2:
+                    if m & 2:
                         locked[1][ci] += n
-                    if mask & 4:
+                    if m & 4:
                         locked[2][ci] += n
             node = node.parent
 
@@ -420,7 +428,7 @@ class HiRadixTree:
         total = len(tokens) // pb
         start = self._start_node(namespace, tokens, lock, tier)
         begin = start.depth
-        provided = self._check_pages(pages, total - begin)
+        provided, gapped = self._check_pages(pages, total - begin)
         released: list[list[np.ndarray]] = [[] for _ in self.components]
         self._tick += 1
         tick = self._tick
@@ -435,12 +443,12 @@ class HiRadixTree:
             else:
                 k = self._common_pages(child.key, tokens, pos * pb, total * pb)
                 child = self._split(child, k)
-            self._reconcile(child, provided, pos - begin, released, tier)
+            self._reconcile(child, provided, gapped, pos - begin, released, tier)
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
         if pos < total:
-            node = self._add_suffix(node, tokens, pos, total, provided, begin, tick, tier)
+            node = self._add_suffix(node, tokens, pos, total, provided, gapped, begin, tick, tier)
         if mamba_slot is not None:
             self._place_checkpoint(node, mamba_slot, released, tier)
         if lock is not None:
@@ -488,48 +496,63 @@ class HiRadixTree:
             return self._start_node(namespace, tokens, None)
         return start  # type: ignore[return-value]
 
-    def _check_pages(self, pages: Mapping[ComponentKind, np.ndarray], n: int) -> dict[int, np.ndarray]:
+    def _check_pages(self, pages: Mapping[ComponentKind, np.ndarray],
+                     n: int) -> tuple[dict[int, np.ndarray], set[int]]:
+        """The given page ids per component index, in component order (FULL first), and
+        the indices whose ids have gaps (-1: pages already freed, e.g. SWA out of window)."""
         out: dict[int, np.ndarray] = {}
-        for kind in pages:
-            if kind not in self._by_kind:
-                raise InvalidArgument(f"pages for {kind.value!r}, which this model does not have")
-        for comp in self.components:
-            if not comp.per_page:
-                if comp.kind in pages:
-                    raise InvalidArgument(
-                        f"pages[{comp.kind.value}]: pass the checkpoint as mamba_slot instead"
-                    )
-                continue
-            arr = pages.get(comp.kind)
-            if arr is None:
+        gapped: set[int] = set()
+        known = 0
+        for comp in self._page_comps:
+            given = pages.get(comp.kind)
+            if given is not None:
+                known += 1
+            else:
                 if n:
+                    self._refuse_unknown(pages)
                     raise InvalidArgument(f"pages[{comp.kind.value}]: missing ({n} pages expected)")
-                arr = _EMPTY
+                out[comp.index] = _EMPTY
+                continue
             # One private int64 copy per call: the tree never aliases the caller's array.
-            arr = np.array(arr, dtype=np.int64)
+            arr = np.array(given, dtype=np.int64)
             if arr.ndim != 1 or len(arr) != n:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
                 )
-            if comp.kind is ComponentKind.FULL and n and int(arr.min()) < 0:
-                raise InvalidArgument("pages[full]: page ids must be >= 0")
+            if n and int(arr.min()) < 0:
+                if comp.index == FULL_INDEX:
+                    raise InvalidArgument("pages[full]: page ids must be >= 0")
+                gapped.add(comp.index)
             out[comp.index] = arr
-        return out
+        if len(pages) != known:
+            self._refuse_unknown(pages)
+        return out, gapped
 
-    def _reconcile(self, node: Node, provided: dict[int, np.ndarray], off: int,
+    def _refuse_unknown(self, pages: Mapping[ComponentKind, np.ndarray]) -> None:
+        for kind in pages:
+            comp = self._by_kind.get(kind)
+            if comp is None:
+                raise InvalidArgument(f"pages for {kind.value!r}, which this model does not have")
+            if not comp.per_page:
+                raise InvalidArgument(f"pages[{kind.value}]: pass the checkpoint as mamba_slot instead")
+
+    def _reconcile(self, node: Node, provided: dict[int, np.ndarray], gapped: set[int], off: int,
                    released: list[list[np.ndarray]], tier: int) -> None:
         """Pages given for a span the tree already holds: keep the tree's own, adopt the
         given ones into an empty slot of `tier`, hand the rest back."""
         n = node.npages
+        res = node.res
         for ci, arr in provided.items():
             ids = arr[off : off + n]
-            held = node.res[ci * PAGED_TIERS + tier]
+            held = res[ci * PAGED_TIERS + tier]
             if held is not None:
-                extra = ids[(ids != held) & (ids >= 0)]
-                if len(extra):
-                    released[ci].append(extra)
-            elif (ci == FULL_INDEX or node.res[FULL_INDEX * PAGED_TIERS + tier] is not None) and bool(
-                (ids >= 0).all()
+                keep = ids != held
+                if ci in gapped:
+                    keep &= ids >= 0
+                if keep.any():
+                    released[ci].append(ids[keep])
+            elif (ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None) and (
+                ci not in gapped or int(ids.min()) >= 0
             ):
                 self._set(node, self.components[ci], tier, ids)
             else:
@@ -538,23 +561,44 @@ class HiRadixTree:
                     released[ci].append(present)
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
-                    provided: dict[int, np.ndarray], begin: int, tick: int, tier: int) -> Node:
-        breaks: set[int] = set()
-        for ci, arr in provided.items():
-            breaks.update(self.components[ci].split_breaks(arr[pos - begin : total - begin]))
-        cuts = [pos, *sorted(b + pos for b in breaks), total]
+                    provided: dict[int, np.ndarray], gapped: set[int], begin: int, tick: int,
+                    tier: int) -> Node:
+        breaks: list[int] = []
+        for ci in gapped:
+            breaks.extend(self.components[ci].split_breaks(provided[ci][pos - begin : total - begin]))
+        cuts = [pos, *sorted({b + pos for b in breaks}), total] if breaks else [pos, total]
         pb = self._pb
         node = parent
         for lo, hi in itertools.pairwise(cuts):
             child = Node(tokens[lo * pb : hi * pb], hi - lo, node, self._ncomp)
             child.last_access = tick
             node.children[child.key[:pb]] = child
-            for ci, arr in provided.items():
-                ids = arr[lo - begin : hi - begin]
-                if int(ids[0]) >= 0:
-                    self._set(child, self.components[ci], tier, ids)
+            self._set_new(child, tier, [(ci, arr[lo - begin : hi - begin]) for ci, arr in provided.items()])
             node = child
         return node
+
+    def _set_new(self, node: Node, tier: int, slots: list[tuple[int, np.ndarray]]) -> None:
+        """`_set` of a whole family on a node just created under its parent (FULL first,
+        nothing locked, no other tier): the same bookkeeping, done once per node."""
+        bit = 1 << tier
+        n = node.npages
+        resident = self._resident[tier]
+        queues = self._queues[tier]
+        mask, res = node.mask, node.res
+        for ci, ids in slots:
+            if int(ids[0]) < 0:
+                continue  # tombstone run (SWA pages freed out of window)
+            mask[ci] |= bit
+            resident[ci] += n
+            res[ci * PAGED_TIERS + tier] = ids
+            if ci == FULL_INDEX:
+                parent = node.parent
+                assert parent is not None
+                parent.nres[tier] += 1
+                if parent.parent is not None:
+                    for q in queues[1:]:  # it may now drop data the child covers
+                        q.offer(parent)
+            queues[ci].offer(node)
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
                           tier: int) -> None:

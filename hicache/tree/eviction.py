@@ -22,13 +22,13 @@ from collections.abc import Callable
 
 from hicache.tree.node import Node
 
-RankFn = Callable[[Node], tuple[int, ...]]
+RankFn = Callable[[Node], int]
 CandidateFn = Callable[[Node], bool]
 
 
 class EvictionQueue:
     def __init__(self, bit: int, rank: RankFn, is_candidate: CandidateFn, is_locked: CandidateFn) -> None:
-        self._heap: list[tuple[tuple[int, ...], int, Node]] = []
+        self._heap: list[tuple[int, int, Node]] = []
         self._parked: list[Node] = []
         self._seq = itertools.count()
         self._bit = bit
@@ -77,7 +77,7 @@ class EvictionQueue:
     def compact(self) -> None:
         """Drop entries of slots that are no longer candidates (bounded memory)."""
         self.unpark()
-        live: list[tuple[tuple[int, ...], int, Node]] = []
+        live: list[tuple[int, int, Node]] = []
         seen: set[int] = set()
         for entry in self._heap:
             node = entry[2]

@@ -12,7 +12,7 @@ Terms used below:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +44,12 @@ class Component(ABC):
         """valid[i]: may a request reuse the prefix ending at path[i] using only data in
         `tiers`? Pure; called at every match. A False entry does not end the walk."""
 
+    def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
+        """`valid(path, tiers)[i - 1]` alone (the boundary after path[i-1]). Match asks
+        this deepest-first and stops at the first boundary every component accepts, so
+        components override it with a query that looks at as few nodes as it can."""
+        return self.valid(path[:i], tiers)[i - 1]
+
     def lock_nodes(self, end: Node) -> list[Node]:
         """Nodes whose slots of this component a lock at boundary `end` must hold."""
         if self.path_scoped:
@@ -64,15 +70,17 @@ class Component(ABC):
 
     def split_breaks(self, provided: np.ndarray) -> list[int]:
         """Page offsets inside a new suffix at which insert must start a new node so that
-        each node's slot is all present or all absent (e.g. SWA pages freed out of window)."""
+        each node's slot is all present or all absent (e.g. SWA pages freed out of window).
+        Called only when some given id is -1 (absent)."""
         return []
 
     # Eviction ----------------------------------------------------------------------
 
     @abstractmethod
-    def is_candidate(self, node: Node, tier: int) -> bool:
-        """Could this component's slot at `node` leave `tier`, locks aside? (resident and
-        structurally allowed; the queue checks locks when it pops). Must be cheap."""
+    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+        """The test "could this component's slot at a node leave `tier`, locks aside?"
+        (resident and structurally allowed; the queue checks locks when it pops). Built
+        once per eviction queue and run on every offer: a closure with no further calls."""
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that must stay when its slot is evicted alone from
@@ -84,7 +92,12 @@ class Component(ABC):
         prefix-closed (FULL); others answer through `valid`."""
         raise NotImplementedError(f"{type(self).__name__} is not prefix-closed")
 
-    def rank(self, node: Node, base: tuple[int, int]) -> tuple[int, ...]:
-        """Eviction order key, smallest first: unreferenced before referenced, then the
-        base policy (LRU or LFU). FULL refines this with the reference count."""
-        return (1 if node.sref[self.index] else 0, *base)
+    def rank_key(self, lfu: bool) -> Callable[[Node], int]:
+        """Eviction order key, smallest first, as one int (cheap to build and compare in
+        the heap): unreferenced before referenced, then the base policy, LRU (last access)
+        or LFU (hits, then last access). FULL refines this with the reference count.
+        Ticks and hits stay below 2**48, so the fields never overlap."""
+        ci = self.index
+        if lfu:
+            return lambda n: ((1 << 96) if n.sref[ci] else 0) | (n.hits << 48) | n.last_access
+        return lambda n: ((1 << 96) if n.sref[ci] else 0) | n.last_access

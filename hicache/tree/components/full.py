@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.tree.components.base import Component
 from hicache.tree.node import PAGED_TIERS, Node
@@ -29,16 +29,20 @@ class FullComponent(Component):
                 return i
         return len(path)
 
-    def is_candidate(self, node: Node, tier: int) -> bool:
+    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
         # A FULL slot goes leaf-first per tier. The last copy (no other paged tier holds
         # it) of a node with children may not go at all: that would cut the path.
-        if not node.mask[FULL_INDEX] & (1 << tier):
-            return False
-        if node.nres[tier]:
-            return False
-        other = node.mask[FULL_INDEX] & ~(1 << tier) & ((1 << PAGED_TIERS) - 1)
-        return bool(other) or not node.children
+        bit = 1 << tier
+        other = ((1 << PAGED_TIERS) - 1) & ~bit
 
-    def rank(self, node: Node, base: tuple[int, int]) -> tuple[int, ...]:
-        refs = node.sref[FULL_INDEX]
-        return (1 if refs else 0, refs, *base)
+        def test(node: Node) -> bool:
+            mask = node.mask[FULL_INDEX]
+            return bool(mask & bit) and not node.nres[tier] and (bool(mask & other) or not node.children)
+
+        return test
+
+    def rank_key(self, lfu: bool) -> Callable[[Node], int]:
+        # The reference count itself orders referenced slots (fewer references go first).
+        if lfu:
+            return lambda n: (n.sref[FULL_INDEX] << 96) | (n.hits << 48) | n.last_access
+        return lambda n: (n.sref[FULL_INDEX] << 96) | n.last_access

@@ -4,7 +4,7 @@ written after insert."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.tree.components.base import Component
 from hicache.tree.node import Node
@@ -20,6 +20,9 @@ class MambaComponent(Component):
         ci = self.index
         return [bool(node.mask[ci] & tiers) for node in path]
 
+    def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
+        return bool(path[i - 1].mask[self.index] & tiers)
+
     def transfer_nodes(self, path: Sequence[Node], lo: int, hi: int, src: int, dst: int) -> list[Node]:
         # Only the checkpoint at the boundary itself is needed.
         if hi <= lo:
@@ -28,6 +31,6 @@ class MambaComponent(Component):
         ci = self.index
         return [end] if end.mask[ci] & (1 << src) and not end.mask[ci] & (1 << dst) else []
 
-    def is_candidate(self, node: Node, tier: int) -> bool:
-        ci = self.index
-        return bool(node.mask[ci] & (1 << tier))
+    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+        ci, bit = self.index, 1 << tier
+        return lambda node: bool(node.mask[ci] & bit)

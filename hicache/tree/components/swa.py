@@ -3,7 +3,7 @@ ending there; data outside every kept window may be dropped alone (a tombstone).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,17 +29,31 @@ class SwaComponent(Component):
             out[i] = run >= min(window, node.depth)
         return out
 
+    def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
+        # Walk up from the boundary only as far as the window reaches.
+        ci = self.index
+        need = min(self.window_pages, path[i - 1].depth)
+        run = 0
+        for j in range(i - 1, -1, -1):
+            node = path[j]
+            if not node.mask[ci] & tiers:
+                return False
+            run += node.npages
+            if run >= need:
+                return True
+        return False
+
     def split_breaks(self, provided: np.ndarray) -> list[int]:
         absent = provided < 0
         if not absent.any():
             return []
         return (np.flatnonzero(absent[1:] != absent[:-1]) + 1).tolist()
 
-    def is_candidate(self, node: Node, tier: int) -> bool:
+    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
         # SWA goes alone only from nodes some child continues (in this tier): a leaf's
         # trailing window goes with its FULL slot, never alone.
-        ci = self.index
-        return bool(node.mask[ci] & (1 << tier)) and node.nres[tier] > 0
+        ci, bit = self.index, 1 << tier
+        return lambda node: bool(node.mask[ci] & bit) and node.nres[tier] > 0
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that lie inside the window of a boundary kept below
