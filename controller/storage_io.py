@@ -23,7 +23,7 @@ from hicache.controller.base import L3Op, L3Outcome, L3Stats
 from hicache.controller.l3_latency import L3OpRecorder
 from hicache.controller.workers import CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
-from hicache.keys import storage_key
+from hicache.keys import storage_keys
 from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
 
@@ -51,11 +51,8 @@ class L3Store:
 
     def keys(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec]) -> list[str]:
         """Keys page-major: page 0's members, then page 1's, ..."""
-        return [
-            storage_key(namespace, self.model_id, h, m.name, self.tp_rank, self.tp_size)
-            for h in hashes
-            for m in members
-        ]
+        return storage_keys(namespace, self.model_id, hashes, [m.name for m in members],
+                            self.tp_rank, self.tp_size)
 
     def present_run(self, namespace: str, hashes: Sequence[bytes],
                     members: Sequence[MemberSpec]) -> int:

@@ -10,7 +10,9 @@ with SHA-NI it costs ~0.85 us a page here, and the tree computes it once per pag
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Sequence
 
 from hicache.types import PageHash
 
@@ -55,6 +57,33 @@ def namespace_tag(namespace: str) -> str:
     return hashlib.sha256(namespace.encode()).hexdigest()[:8]
 
 
+@functools.lru_cache(maxsize=1024)
+def key_prefix(namespace: str, model_id: str) -> str:
+    """The part of every L3 key that depends on the namespace and model only (cached: a
+    request's keys differ only in their page hash and member)."""
+    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)[:48]
+    return f"hc{LAYOUT_VERSION}/{namespace_tag(namespace)}/{model}/"
+
+
+def storage_keys(
+    namespace: str,
+    model_id: str,
+    page_hashes: Sequence[bytes],
+    members: Sequence[str],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> list[str]:
+    """The L3 object keys of these pages, page-major (page 0's members, then page 1's...).
+
+    A key is `hc1/<ns-tag>/<model>/<hash hex>/<member>/tp<rank>of<size>`. The hash already
+    binds the namespace, model id and KV dtype (they seed the chain); the readable prefix
+    lets an operator see and delete one model's objects.
+    """
+    prefix = key_prefix(namespace, model_id)
+    tails = [f"/{m}/tp{tp_rank}of{tp_size}" for m in members]
+    return [f"{prefix}{h.hex()}{tail}" for h in page_hashes for tail in tails]
+
+
 def storage_key(
     namespace: str,
     model_id: str,
@@ -63,14 +92,5 @@ def storage_key(
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> str:
-    """The L3 object key of one page of one family member.
-
-    `hc1/<ns-tag>/<model>/<hash hex>/<member>/tp<rank>of<size>`. The hash already binds the
-    namespace, model id and KV dtype (they seed the chain); the readable prefix lets an
-    operator see and delete one model's objects.
-    """
-    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)[:48]
-    return (
-        f"hc{LAYOUT_VERSION}/{namespace_tag(namespace)}/{model}/{page_hash.hex()}/"
-        f"{member}/tp{tp_rank}of{tp_size}"
-    )
+    """The L3 object key of one page of one family member (see `storage_keys`)."""
+    return storage_keys(namespace, model_id, (page_hash,), (member,), tp_rank, tp_size)[0]

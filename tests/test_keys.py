@@ -1,0 +1,48 @@
+"""L3 object keys and chained page hashes: the format other nodes depend on."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from hicache.keys import (
+    PAGE_HASH_BYTES,
+    chain_hashes,
+    chain_seed,
+    split_hashes,
+    storage_key,
+    storage_keys,
+)
+
+
+def test_key_format_is_stable() -> None:
+    key = storage_key("tenant-a", "org/model:v1", bytes(range(16)), "full", 1, 4)
+    tag = hashlib.sha256(b"tenant-a").hexdigest()[:8]
+    assert key == f"hc1/{tag}/org_model_v1/000102030405060708090a0b0c0d0e0f/full/tp1of4"
+    assert "tenant-a" not in key  # tenants are not named in L3
+
+
+def test_batch_keys_are_page_major_and_equal_single_keys() -> None:
+    hashes = [bytes([i]) * PAGE_HASH_BYTES for i in range(5)]
+    members = ["full", "full.indexer"]
+    keys = storage_keys("ns", "m", hashes, members, 0, 2)
+    assert keys == [storage_key("ns", "m", h, m, 0, 2) for h in hashes for m in members]
+    assert len(set(keys)) == len(keys)
+
+
+def test_namespaces_and_models_never_share_keys() -> None:
+    h = [b"\x07" * PAGE_HASH_BYTES]
+    assert storage_keys("a", "m", h, ["full"]) != storage_keys("b", "m", h, ["full"])
+    assert storage_keys("a", "m1", h, ["full"]) != storage_keys("a", "m2", h, ["full"])
+
+
+def test_chain_hashes_bind_every_earlier_page() -> None:
+    seed = chain_seed("ns", "model", "bfloat16")
+    tokens = np.arange(4 * 8, dtype="<u4").tobytes()
+    base = split_hashes(chain_hashes(seed, tokens, 8 * 4))
+    changed = bytearray(tokens)
+    changed[0] ^= 1  # first token of page 0
+    other = split_hashes(chain_hashes(seed, bytes(changed), 8 * 4))
+    assert len(base) == 4 and all(a != b for a, b in zip(base, other, strict=True))
+    assert split_hashes(chain_hashes(chain_seed("ns2", "model", "bfloat16"), tokens, 32))[0] != base[0]
