@@ -97,6 +97,7 @@ class HybridCacheController(CacheService):
             self._prober.join(timeout=5)
         self.prefetcher.close()
         self.transfers.close()
+        self.transfers.copier.close()  # it holds views of both pools: before they close
         if self.l3 is not None:
             self.l3.backend.unregister_host_buffer(self.host.buffer_address)
             self.l3.backend.close()

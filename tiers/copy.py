@@ -1,26 +1,45 @@
 """Copy engine L1 <-> L2 for whole families, one layer at a time (CPU implementation).
 
 A copy moves rows ``src[src_ids[i]] -> dst[dst_ids[i]]`` of every layer of every family
-member. The id pairs are planned once per call (`plan_rows`), by how contiguous they are:
+member. Pools never move once created, so the engine views each member of both sides once
+(`MemberRows`: per layer the rows widened for torch and numpy and as opaque items, plus all
+layers as one tensor) and reuses the views: a copy costs its byte moves plus a few
+microseconds per op.
 
-- ``RUNS``: both sides advance together in long runs -> one slice ``copy_`` per run;
-- ``GATHER``: the destination is in long runs -> ``index_select(out=dst_run)``;
-- ``SCATTER``: the source is in long runs -> ``dst[ids] = src_run`` (numpy, rows as items);
+Small copies (at most `SMALL_COPY_PAGES` pairs, e.g. the write-through of one insert) run
+in the calling thread, one numpy fancy-index op per (member, layer) on opaque row items:
+the rows go through a cache-resident temporary, cheaper than planning for so few bytes.
+
+Larger copies are planned once per call (`plan_rows`) by how contiguous the ids are:
+
+- ``RUNS``: both sides advance together in long runs -> slice copies;
+- ``GATHER``: the destination is in long runs -> ``np.take(out=dst_run)``, or torch
+  ``index_select(out=dst_run)`` (the only one-pass gather into strided page_first slots);
+- ``SCATTER``: the source is in long runs -> ``dst[ids] = src_run``;
 - ``STAGED``: both sides scattered -> ``dst[ids] = src[ids]`` (numpy gathers each chunk
   into a temporary, then scatters it).
 
-Every form is one pass over the bytes except ``STAGED``. Torch forms view rows as the
-widest integer dtype their width and stride allow (NOTE: a uint8 scatter is ~10x slower
-than the same bytes as int64) and run in the calling thread on torch's intra-op threads;
-numpy forms view each row as one opaque item (`row_items`: one memmove per row) and are
-split over a small thread pool (numpy releases the GIL).
+Every form is one pass over the bytes except ``STAGED``. Two executors (`_torch_form`):
+
+- torch, in the calling thread on torch's intra-op threads: RUNS and GATHER when nobody
+  waits for layers, as one call per run and member over all layers (`MemberRows.stacked`),
+  i.e. one parallel region like a plain tensor copy; and GATHER into strided rows;
+- numpy jobs otherwise: rows viewed as the widest integer dtype their width, strides and
+  address allow (NOTE: numpy keeps the GIL for copies of fewer than 500 items, so 16 KiB
+  rows as opaque items would serialise the threads), cut into chunks of about
+  `CHUNK_BYTES` that the calling thread and ``threads - 1`` helpers take in layer order,
+  first come first served, so a descheduled thread delays the copy by at most one chunk.
+  The caller reports each layer as soon as all of its chunks are done, while the next
+  layers are still being copied.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +62,11 @@ MIN_RUN = 16  # average run length (pages) from which run-wise copies beat index
 # Pool copies are cut into this many chunks per thread: threads that finish early take more
 # (on a busy machine one thread is often descheduled; equal halves would wait for it).
 CHUNKS_PER_THREAD = 4
+SMALL_COPY_PAGES = 64  # copies of at most this many pairs take the inline path
+# Target size of one chunk of a large numpy copy. NOTE: measured on 16 KiB rows, chunks of
+# 1 MiB were ~0.6-0.8x a contiguous copy (per-chunk dispatch and GIL hand-offs), 4-8 MiB
+# ~0.9-1.0x; the tail a late thread leaves is at most one chunk.
+CHUNK_BYTES = 4 << 20
 
 
 class PlanKind(enum.Enum):
@@ -78,6 +102,9 @@ def plan_rows(
     n = int(src_ids.size)
     if n == 0:
         return RowPlan(PlanKind.RUNS, src_ids, dst_ids, ())
+    longest = -(-n // max(1, parts))
+    if _is_run(src_ids) and _is_run(dst_ids):  # the common case: no per-pair work at all
+        return RowPlan(PlanKind.RUNS, src_ids, dst_ids, _cut(np.array([0, n]), longest))
     src_breaks = np.diff(src_ids) != 1
     dst_breaks = np.diff(dst_ids) != 1
     limit = max(1, n // MIN_RUN)
@@ -92,20 +119,31 @@ def plan_rows(
             kind, breaks = candidate, candidate_breaks
             break
     starts = np.concatenate(([0], np.flatnonzero(breaks) + 1, [n]))
-    longest = -(-n // max(1, parts))
+    return RowPlan(kind, src_ids, dst_ids, _cut(starts, longest))
+
+
+def _is_run(ids: npt.NDArray[np.int64]) -> bool:
+    """Whether `ids` (non-empty) is ``a, a+1, ..., a+n-1``."""
+    n = int(ids.size)
+    return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or bool((np.diff(ids) == 1).all()))
+
+
+def _cut(starts: npt.NDArray[np.int64], longest: int) -> tuple[tuple[int, int], ...]:
     chunks: list[tuple[int, int]] = []
     for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
         chunks.extend((lo, min(lo + longest, b)) for lo in range(a, b, longest))
-    return RowPlan(kind, src_ids, dst_ids, tuple(chunks))
+    return tuple(chunks)
 
 
 def widen(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (uint8, 2-D) viewed as the widest integer dtype that divides it evenly."""
+    """`rows` (uint8, rows in the last dimension) viewed as the widest integer dtype that
+    divides every row, every stride and the address evenly."""
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if (
-            rows.shape[1] % size == 0
-            and rows.stride(0) % size == 0
+            rows.shape[-1] % size == 0
+            and all(stride % size == 0 for stride in rows.stride()[:-1])
             and rows.storage_offset() % size == 0
+            and rows.data_ptr() % size == 0
         ):
             return rows.view(dtype)
     return rows
@@ -113,24 +151,85 @@ def widen(rows: torch.Tensor) -> torch.Tensor:
 
 def row_items(rows: torch.Tensor) -> npt.NDArray[np.void]:
     """`rows` (uint8, 2-D, each row contiguous) as a 1-D numpy array with one opaque item
-    per row. NOTE: numpy moves a fancy-indexed item of this kind with one `memmove`, with
-    the GIL released: a row scatter this way measured ~1.0x a contiguous copy of the same
-    bytes, vs ~0.7-0.8x for the same scatter on an int64 view (a strided inner loop per
-    row) and ~0.1x on uint8."""
+    per row: the cheapest form for fancy indexing a few rows (one `memmove` per row).
+    NOTE: numpy keeps the GIL for a copy of fewer than 500 items, so threads only help on
+    wider views (`LayerRows.array`)."""
     arr = rows.numpy()
     return arr.view(np.dtype((np.void, arr.shape[1])))[:, 0]
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer of one member pool, viewed once: `tensor` the rows widened (torch ops),
+    `array` the same as numpy (threaded numpy ops), `items` rows as opaque items (small
+    copies)."""
+
+    tensor: torch.Tensor
+    array: npt.NDArray[np.integer]
+    items: npt.NDArray[np.void]
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> LayerRows:
+        wide = widen(rows)
+        return cls(wide, wide.numpy(), row_items(rows))
+
+
+@dataclass(frozen=True)
+class MemberRows:
+    """Every layer of one member pool; `stacked` is all of them as one widened tensor
+    ``[layers, num_pages, row]`` when the layers lie at equal distances (both L1 and L2
+    layouts do), else None."""
+
+    layers: tuple[LayerRows, ...]
+    stacked: torch.Tensor | None
+
+    @classmethod
+    def of(cls, pools: MemberPools, member: str, layers: int) -> MemberRows:
+        rows = [pools.layer(member, layer) for layer in range(layers)]
+        return cls(tuple(LayerRows.of(r) for r in rows), _stacked(rows))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`rows` (one uint8 tensor per layer) as one widened ``[layers, pages, row]`` view."""
+    if len(rows) < 2 or any(
+        r.shape != rows[0].shape or r.stride() != rows[0].stride() for r in rows
+    ):
+        return None
+    step = rows[1].data_ptr() - rows[0].data_ptr()
+    if step <= 0 or any(b.data_ptr() - a.data_ptr() != step for a, b in itertools.pairwise(rows)):
+        return None
+    first = rows[0].numpy()
+    grid = np.lib.stride_tricks.as_strided(
+        first, (len(rows), *first.shape), (step, *first.strides)
+    )
+    return widen(torch.from_numpy(grid))
 
 
 def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
     """`ids` as int64, or `InvalidArgument` if not 1-D integers within ``[0, pages)``."""
     arr = np.asarray(ids)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgument(f"{what}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
     out = arr.astype(np.int64, copy=False)
-    bad = out[(out < 0) | (out >= pages)]
-    if bad.size:
+    if out.size and (int(out.min()) < 0 or int(out.max()) >= pages):
+        bad = out[(out < 0) | (out >= pages)]
         raise InvalidArgument(f"{what} {bad[:8].tolist()} out of range [0, {pages})")
     return out
+
+
+def _repeated(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The ids that appear more than once (sorted; empty when all are distinct)."""
+    n = int(ids.size)
+    if n <= SMALL_COPY_PAGES:
+        if len(set(ids.tolist())) == n:
+            return ids[:0]
+    elif bool((np.diff(ids) > 0).all()):  # ascending (allocator order): distinct, no sort
+        return ids[:0]
+    uniq, counts = np.unique(ids, return_counts=True)
+    return uniq[counts > 1]
 
 
 def validate_copy(
@@ -153,16 +252,23 @@ def validate_copy(
         raise InvalidArgument(
             f"{family.value}: {s.size} {names[0]} ids but {d.size} {names[1]} ids"
         )
-    uniq, counts = np.unique(d, return_counts=True)
-    if uniq.size != d.size:
-        raise InvalidArgument(
-            f"{family.value}: {names[1]} ids {uniq[counts > 1][:8].tolist()} appear twice"
-        )
+    twice = _repeated(d)
+    if twice.size:
+        raise InvalidArgument(f"{family.value}: {names[1]} ids {twice[:8].tolist()} appear twice")
     return s, d
 
 
+# One unit of a large copy: (layer, work); the work moves one chunk of one member's layer.
+_Job = tuple[int, Callable[[], None]]
+_MemberPair = tuple[MemberRows, MemberRows]
+
+
 class CpuCopyEngine(CopyEngine):
-    """Copies between CPU-resident L1 (shared memory) and L2 pools."""
+    """Copies between CPU-resident L1 (shared memory) and L2 pools.
+
+    Holds views of the pools (`MemberRows`) from the first copy of a family until `close()`:
+    close the engine before the pools (a pool closed first stays mapped until then).
+    """
 
     def __init__(self, device: DevicePools, host: HostPools, threads: int = 2) -> None:
         if device.is_cuda:
@@ -171,6 +277,7 @@ class CpuCopyEngine(CopyEngine):
         self._host = host
         self._threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
+        self._rows: dict[tuple[bool, str], MemberRows] = {}
 
     def device_to_host(
         self,
@@ -193,9 +300,17 @@ class CpuCopyEngine(CopyEngine):
         return self._copy(family, self._host, s, self._device, d, on_layer)
 
     def close(self) -> None:
+        self._rows.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def _member_rows(self, pools: MemberPools, member: str, layers: int) -> MemberRows:
+        key = (pools is self._device, member)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = MemberRows.of(pools, member, layers)
+        return rows
 
     def _copy(
         self,
@@ -207,78 +322,256 @@ class CpuCopyEngine(CopyEngine):
         on_layer: LayerCallback | None,
     ) -> CopyResult:
         members = src.family(family)
-        plan = plan_rows(src_ids, dst_ids, self._threads * CHUNKS_PER_THREAD)
         layers = max(m.layers for m in members)
-        moved = 0
-        for layer in range(layers):
-            for spec in members:
-                if layer < spec.layers:
-                    copy_rows(
-                        plan,
-                        src.layer(spec.name, layer),
-                        dst.layer(spec.name, layer),
-                        self._executor(),
-                    )
-                    moved += plan.rows * spec.bytes_per_page_per_layer
-            if on_layer is not None:
-                on_layer(layer)
-        return CopyResult(pages=plan.rows, bytes=moved, layers=layers)
+        n = int(src_ids.size)
+        pairs = [
+            (self._member_rows(src, m.name, m.layers), self._member_rows(dst, m.name, m.layers))
+            for m in members
+        ]
+        if n <= SMALL_COPY_PAGES:
+            _copy_inline(pairs, src_ids, dst_ids, layers, on_layer)
+        else:
+            plan = plan_rows(src_ids, dst_ids, self._threads * CHUNKS_PER_THREAD)
+            if _torch_form(plan, pairs, on_layer):
+                _torch_copy(plan, pairs, layers, on_layer)
+            else:
+                self._run_jobs(_jobs(plan, pairs, layers), layers, on_layer)
+        moved = n * sum(m.bytes_per_page for m in members)
+        return CopyResult(pages=n, bytes=moved, layers=layers)
+
+    def _run_jobs(
+        self, jobs: Sequence[_Job], layers: int, on_layer: LayerCallback | None
+    ) -> None:
+        """Run `jobs` (in layer order) on this thread and the helpers; call `on_layer(l)`
+        here, in order, once every job of layers ``<= l`` is done. A failing job stops
+        the reports; its exception is raised once every job has stopped."""
+        left = [0] * layers
+        for layer, _ in jobs:
+            left[layer] += 1
+        queue = iter(jobs)
+        errors: list[BaseException] = []
+        cond = threading.Condition()
+
+        def take() -> _Job | None:
+            with cond:
+                return next(queue, None)
+
+        def work(job: _Job) -> None:
+            try:
+                if not errors:
+                    job[1]()
+            except BaseException as e:  # re-raised by the caller
+                errors.append(e)
+            finally:
+                with cond:
+                    left[job[0]] -= 1
+                    if left[job[0]] == 0 or errors:
+                        cond.notify_all()
+
+        def drain() -> None:
+            while (job := take()) is not None:
+                work(job)
+
+        helpers: list[Future[None]] = []
+        if len(jobs) > 1 and self._threads > 1:
+            pool = self._executor()
+            helpers = [pool.submit(drain) for _ in range(min(self._threads - 1, len(jobs) - 1))]
+        reported = 0
+        try:
+            while (job := take()) is not None:
+                work(job)
+                reported = _report(left, reported, on_layer, errors)
+            while reported < layers and not errors:
+                with cond:
+                    while left[reported] and not errors:
+                        cond.wait()
+                reported = _report(left, reported, on_layer, errors)
+        finally:
+            for helper in helpers:
+                helper.result()
+        if errors:
+            raise errors[0]
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="hicache-copy")
+            self._pool = ThreadPoolExecutor(
+                max(1, self._threads - 1), thread_name_prefix="hicache-copy"
+            )
         return self._pool
+
+
+def _report(
+    left: list[int], reported: int, on_layer: LayerCallback | None, errors: list[BaseException]
+) -> int:
+    """Report the finished layers from `reported` on, in order; return the next to report."""
+    while reported < len(left) and left[reported] == 0 and not errors:
+        if on_layer is not None:
+            on_layer(reported)
+        reported += 1
+    return reported
+
+
+def _copy_inline(
+    pairs: Sequence[_MemberPair],
+    s: npt.NDArray[np.int64],
+    d: npt.NDArray[np.int64],
+    layers: int,
+    on_layer: LayerCallback | None,
+) -> None:
+    """A small copy: one fancy-index op per (member, layer), in this thread."""
+    for layer in range(layers):
+        if s.size:
+            for src, dst in pairs:
+                if layer < len(src):
+                    dst.layers[layer].items[d] = src.layers[layer].items[s]
+        if on_layer is not None:
+            on_layer(layer)
+
+
+def _torch_form(
+    plan: RowPlan, pairs: Sequence[_MemberPair], on_layer: LayerCallback | None
+) -> bool:
+    """Whether torch (one call over all layers, or a GATHER into strided rows) does this
+    plan; else numpy jobs do (the threads report each layer as it lands)."""
+    if plan.kind is PlanKind.GATHER and not _contiguous_rows(pairs):
+        return True
+    stacked = all(src.stacked is not None and dst.stacked is not None for src, dst in pairs)
+    return plan.kind in (PlanKind.RUNS, PlanKind.GATHER) and on_layer is None and stacked
+
+
+def _contiguous_rows(pairs: Sequence[_MemberPair]) -> bool:
+    """Whether every destination layer is C-contiguous (what `np.take(out=...)` needs)."""
+    return all(rows.array.flags.c_contiguous for _, dst in pairs for rows in dst.layers)
+
+
+def _torch_copy(
+    plan: RowPlan, pairs: Sequence[_MemberPair], layers: int, on_layer: LayerCallback | None
+) -> None:
+    """RUNS or GATHER in this thread with torch: a slice ``copy_`` or an `index_select` per
+    run and member, over all layers at once (`MemberRows.stacked`) when nobody waits for
+    layers, so the whole copy is one parallel region like a plain tensor copy.
+
+    NOTE: measured on a busy 2-core machine, one torch call per layer was 0.2-0.9x a
+    contiguous copy (each call waits for its slowest intra-op thread, and the waits add
+    up), one call over all layers 0.8-1.1x. For strided destination rows (page_first slots)
+    torch is the only one-pass gather: numpy gathers into strided rows go through a
+    temporary (0.5-0.9x with cache-sized chunks), and `np.take` into strided rows copies the
+    whole destination to a temporary and back (0.2x).
+    """
+    runs = _merged(plan)
+    index = torch.from_numpy(plan.src_ids)
+    s, d = plan.src_ids, plan.dst_ids
+    gather = plan.kind is PlanKind.GATHER
+
+    def move(src_rows: torch.Tensor, dst_rows: torch.Tensor, dim: int) -> None:
+        src_rows, dst_rows = _same_width(src_rows, dst_rows)
+        for a, b in runs:
+            out = dst_rows.narrow(dim, int(d[a]), b - a)
+            if gather:
+                torch.index_select(src_rows, dim, index[a:b], out=out)
+            else:
+                out.copy_(src_rows.narrow(dim, int(s[a]), b - a))
+
+    per_layer = []
+    for src, dst in pairs:
+        if on_layer is None and src.stacked is not None and dst.stacked is not None:
+            move(src.stacked, dst.stacked, 1)
+        else:
+            per_layer.append((src, dst))
+    for layer in range(layers):
+        for src, dst in per_layer:
+            if layer < len(src):
+                move(src.layers[layer].tensor, dst.layers[layer].tensor, 0)
+        if on_layer is not None:
+            on_layer(layer)
+
+
+def _same_width(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both widened rows in one dtype (bytes when their widest dtypes differ)."""
+    if src.dtype == dst.dtype:
+        return src, dst
+    return src.view(torch.uint8), dst.view(torch.uint8)
+
+
+def _jobs(plan: RowPlan, pairs: Sequence[_MemberPair], layers: int) -> list[_Job]:
+    """The numpy jobs of `plan`, in layer order, each about `CHUNK_BYTES` and never crossing
+    a run boundary that its form needs."""
+    s, d = plan.src_ids, plan.dst_ids
+    runs = _merged(plan)
+    jobs: list[_Job] = []
+    for layer in range(layers):
+        for src, dst in pairs:
+            if layer >= len(src):
+                continue
+            src_rows, dst_rows = _same_array(src.layers[layer], dst.layers[layer])
+            step = max(1, CHUNK_BYTES // (src_rows.shape[1] * src_rows.itemsize))
+            for a0, b0 in runs:
+                for a in range(a0, b0, step):
+                    b = min(a + step, b0)
+                    jobs.append((layer, _job(plan.kind, src_rows, s, dst_rows, d, a, b)))
+    return jobs
+
+
+def _same_array(
+    src: LayerRows, dst: LayerRows
+) -> tuple[npt.NDArray[np.integer], npt.NDArray[np.integer]]:
+    if src.array.dtype == dst.array.dtype:
+        return src.array, dst.array
+    return src.tensor.view(torch.uint8).numpy(), dst.tensor.view(torch.uint8).numpy()
+
+
+def _job(
+    kind: PlanKind,
+    src: npt.NDArray[np.integer],
+    s: npt.NDArray[np.int64],
+    dst: npt.NDArray[np.integer],
+    d: npt.NDArray[np.int64],
+    a: int,
+    b: int,
+) -> Callable[[], None]:
+    """Move pairs ``a:b`` of one member's layer (`s`, `d`: the plan's ids), as wide rows:
+    numpy releases the GIL for the whole move."""
+    s0, d0, k = int(s[a]), int(d[a]), b - a
+    if kind is PlanKind.RUNS:
+        return lambda: np.copyto(dst[d0 : d0 + k], src[s0 : s0 + k])
+    if kind is PlanKind.GATHER:  # contiguous destination rows (checked by the caller)
+
+        def gather() -> None:
+            np.take(src, s[a:b], axis=0, out=dst[d0 : d0 + k], mode="clip")
+
+        return gather
+    if kind is PlanKind.SCATTER:
+
+        def scatter() -> None:
+            dst[d[a:b]] = src[s0 : s0 + k]
+
+        return scatter
+
+    def staged() -> None:
+        dst[d[a:b]] = src[s[a:b]]
+
+    return staged
 
 
 def copy_rows(
     plan: RowPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor, pool: ThreadPoolExecutor
 ) -> None:
-    """Execute `plan` for one layer of one member (CPU tensors of equal row width)."""
+    """Execute `plan` for one layer of one member (CPU tensors of equal row width), the
+    numpy forms split over `pool` (the CUDA engine's host-side rows)."""
     if not plan.chunks:
         return
-    src, dst = widen(src_rows), widen(dst_rows)
-    if src.dtype != dst.dtype:
-        src, dst = src_rows, dst_rows
-    s, d = plan.src_ids, plan.dst_ids
-    if plan.kind is PlanKind.RUNS:
-        for a, b in _merged(plan):
-            d0, s0 = int(d[a]), int(s[a])
-            dst[d0 : d0 + b - a].copy_(src[s0 : s0 + b - a])
+    src = MemberRows((LayerRows.of(src_rows),), None)
+    dst = MemberRows((LayerRows.of(dst_rows),), None)
+    if plan.kind is PlanKind.GATHER and not _contiguous_rows([(src, dst)]):
+        _torch_copy(plan, [(src, dst)], 1, None)
         return
-    if plan.kind is PlanKind.GATHER:
-        # One index_select per run writes the rows in place, strided (page_first slots)
-        # or not. NOTE: measured alternatives were slower here: `np.take` into strided
-        # rows copies the whole destination to a temporary and back (0.2x); staging
-        # through a cache-sized buffer 0.5-0.6x; torch calls of <= 16 rows from the pool
-        # (serial, no OpenMP) ~0.5x; `np.take` into contiguous rows (layer_first) 0.7x
-        # on a quiet machine vs 0.85-0.9x for this (better only under load).
-        index = torch.from_numpy(s)
-        for a, b in _merged(plan):
-            d0 = int(d[a])
-            torch.index_select(src, 0, index[a:b], out=dst[d0 : d0 + b - a])
-        return
-    src_items, dst_items = row_items(src_rows), row_items(dst_rows)
-    work: Callable[[int, int], None]
-    if plan.kind is PlanKind.SCATTER:
-
-        def scatter(a: int, b: int) -> None:
-            s0 = int(s[a])
-            dst_items[d[a:b]] = src_items[s0 : s0 + b - a]
-
-        work = scatter
-    else:
-
-        def staged(a: int, b: int) -> None:
-            dst_items[d[a:b]] = src_items[s[a:b]]
-
-        work = staged
-    futures = [pool.submit(work, a, b) for a, b in plan.chunks]
+    futures = [pool.submit(work) for _, work in _jobs(plan, [(src, dst)], 1)]
     for future in futures:
         future.result()
 
 
 def _merged(plan: RowPlan) -> list[tuple[int, int]]:
-    """Chunks glued back into whole runs: torch ops parallelise inside one call already."""
+    """Chunks glued back into whole runs (each user cuts them to its own sizes)."""
     out: list[tuple[int, int]] = []
     s, d = plan.src_ids, plan.dst_ids
     for a, b in plan.chunks:
@@ -292,10 +585,16 @@ def _merged(plan: RowPlan) -> list[tuple[int, int]]:
 def _continues(
     kind: PlanKind, s: npt.NDArray[np.int64], d: npt.NDArray[np.int64], at: int
 ) -> bool:
+    """Whether pair `at` continues the run of pair ``at - 1`` on the side(s) `kind` needs."""
+    if kind is PlanKind.STAGED:
+        return True
     dst_ok = bool(d[at] == d[at - 1] + 1)
     if kind is PlanKind.GATHER:
         return dst_ok
-    return dst_ok and bool(s[at] == s[at - 1] + 1)
+    src_ok = bool(s[at] == s[at - 1] + 1)
+    if kind is PlanKind.SCATTER:
+        return src_ok
+    return dst_ok and src_ok
 
 
 def build_copy_engine(device: DevicePools, host: HostPools, threads: int = 2) -> CopyEngine:
