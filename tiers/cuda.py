@@ -30,8 +30,9 @@ from hicache.tiers.base import (
     PoolDescriptor,
     PoolKind,
 )
-from hicache.tiers.copy import copy_rows, plan_rows, validate_copy
+from hicache.tiers.copy import copy_rows
 from hicache.tiers.members import MemberTable
+from hicache.tiers.rows import plan_rows, validate_copy
 from hicache.types import ComponentKind
 
 REGISTER_CHUNK = 1 << 30  # cudaHostRegister in 1 GiB pieces: huge single calls stall

@@ -12,9 +12,10 @@ from tierkit import oracle, tiny_config
 
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import MemberPools
-from hicache.tiers.copy import CpuCopyEngine, PlanKind, plan_rows, widen
+from hicache.tiers.copy import CpuCopyEngine
 from hicache.tiers.device import ShmDevicePools
 from hicache.tiers.host import HostBufferPools
+from hicache.tiers.rows import PlanKind, plan_rows, widen
 from hicache.types import ComponentKind
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA

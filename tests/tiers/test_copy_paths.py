@@ -13,11 +13,13 @@ import torch
 from tierkit import tiny_config
 
 import hicache.tiers.copy as copy_mod
+import hicache.tiers.rows as rows_mod
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, MemberPools
-from hicache.tiers.copy import CpuCopyEngine, MemberRows, PlanKind, plan_rows
+from hicache.tiers.copy import CpuCopyEngine
 from hicache.tiers.device import ShmDevicePools
 from hicache.tiers.host import HostBufferPools
+from hicache.tiers.rows import MemberRows, PlanKind, plan_rows
 from hicache.types import ComponentKind
 
 FULL = ComponentKind.FULL
@@ -179,6 +181,7 @@ def test_repeated_destination_ids_are_refused_on_every_check_path(
     # Small batch (set check), large unsorted batch (np.unique) -- and a large ascending one
     # passes without a sort.
     monkeypatch.setattr(copy_mod, "SMALL_COPY_PAGES", 2)
+    monkeypatch.setattr(rows_mod, "SMALL_COPY_PAGES", 2)
     with pytest.raises(InvalidArgument, match=r"L2 ids \[4\] appear twice"):
         engine.device_to_host(FULL, np.array([0, 1]), np.array([4, 4]))
     with pytest.raises(InvalidArgument, match=r"L2 ids \[9\] appear twice"):

@@ -1,0 +1,214 @@
+"""How the copy engines see pools and plan row moves (shared by the CPU and CUDA engines).
+
+Pools never move once created, so a member's layers are viewed once (`MemberRows`: per
+layer the rows widened for torch and numpy and as opaque items, plus all layers as one
+tensor). `plan_rows` chooses, per call, how to move rows ``src[src_ids[i]] ->
+dst[dst_ids[i]]`` by how contiguous the ids are; `validate_copy` checks the ids first.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from hicache.errors import InvalidArgument
+from hicache.tiers.base import MemberPools, PageIds
+from hicache.types import ComponentKind
+
+MIN_RUN = 16  # average run length (pages) from which run-wise copies beat index ops
+SMALL_COPY_PAGES = 64  # copies of at most this many pairs take the inline path
+
+
+class PlanKind(enum.Enum):
+    RUNS = "runs"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    STAGED = "staged"
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How to move rows `src_ids[i] -> dst_ids[i]`; `chunks` are ``(start, stop)`` ranges of
+    the pair index, each inside one run of the side(s) that `kind` needs contiguous."""
+
+    kind: PlanKind
+    src_ids: npt.NDArray[np.int64]
+    dst_ids: npt.NDArray[np.int64]
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return int(self.src_ids.size)
+
+
+def plan_rows(
+    src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], parts: int = 2
+) -> RowPlan:
+    """Choose the copy form for these pairs and cut it into chunks.
+
+    Chunks never cross a run boundary of the side the form needs contiguous, and no
+    chunk is longer than ``ceil(n / parts)``, so `parts` workers get similar shares.
+    """
+    n = int(src_ids.size)
+    if n == 0:
+        return RowPlan(PlanKind.RUNS, src_ids, dst_ids, ())
+    longest = -(-n // max(1, parts))
+    if _is_run(src_ids) and _is_run(dst_ids):  # the common case: no per-pair work at all
+        return RowPlan(PlanKind.RUNS, src_ids, dst_ids, _cut(np.array([0, n]), longest))
+    src_breaks = np.diff(src_ids) != 1
+    dst_breaks = np.diff(dst_ids) != 1
+    limit = max(1, n // MIN_RUN)
+    candidates = (
+        (PlanKind.RUNS, src_breaks | dst_breaks),
+        (PlanKind.GATHER, dst_breaks),
+        (PlanKind.SCATTER, src_breaks),
+    )
+    kind, breaks = PlanKind.STAGED, np.zeros(n - 1, dtype=np.bool_)
+    for candidate, candidate_breaks in candidates:
+        if int(candidate_breaks.sum()) + 1 <= limit:
+            kind, breaks = candidate, candidate_breaks
+            break
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1, [n]))
+    return RowPlan(kind, src_ids, dst_ids, _cut(starts, longest))
+
+
+def _is_run(ids: npt.NDArray[np.int64]) -> bool:
+    """Whether `ids` (non-empty) is ``a, a+1, ..., a+n-1``."""
+    n = int(ids.size)
+    return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or bool((np.diff(ids) == 1).all()))
+
+
+def _cut(starts: npt.NDArray[np.int64], longest: int) -> tuple[tuple[int, int], ...]:
+    chunks: list[tuple[int, int]] = []
+    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        chunks.extend((lo, min(lo + longest, b)) for lo in range(a, b, longest))
+    return tuple(chunks)
+
+
+def widen(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (uint8, rows in the last dimension) viewed as the widest integer dtype that
+    divides every row, every stride and the address evenly."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if (
+            rows.shape[-1] % size == 0
+            and all(stride % size == 0 for stride in rows.stride()[:-1])
+            and rows.storage_offset() % size == 0
+            and rows.data_ptr() % size == 0
+        ):
+            return rows.view(dtype)
+    return rows
+
+
+def row_items(rows: torch.Tensor) -> npt.NDArray[np.void]:
+    """`rows` (uint8, 2-D, each row contiguous) as a 1-D numpy array with one opaque item
+    per row: the cheapest form for fancy indexing a few rows (one `memmove` per row).
+    NOTE: numpy keeps the GIL for a copy of fewer than 500 items, so threads only help on
+    wider views (`LayerRows.array`)."""
+    arr = rows.numpy()
+    return arr.view(np.dtype((np.void, arr.shape[1])))[:, 0]
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """One layer of one member pool, viewed once: `tensor` the rows widened (torch ops),
+    `array` the same as numpy (threaded numpy ops), `items` rows as opaque items (small
+    copies)."""
+
+    tensor: torch.Tensor
+    array: npt.NDArray[np.integer]
+    items: npt.NDArray[np.void]
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> LayerRows:
+        wide = widen(rows)
+        return cls(wide, wide.numpy(), row_items(rows))
+
+
+@dataclass(frozen=True)
+class MemberRows:
+    """Every layer of one member pool; `stacked` is all of them as one widened tensor
+    ``[layers, num_pages, row]`` when the layers lie at equal distances (both L1 and L2
+    layouts do), else None."""
+
+    layers: tuple[LayerRows, ...]
+    stacked: torch.Tensor | None
+
+    @classmethod
+    def of(cls, pools: MemberPools, member: str, layers: int) -> MemberRows:
+        rows = [pools.layer(member, layer) for layer in range(layers)]
+        return cls(tuple(LayerRows.of(r) for r in rows), _stacked(rows))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`rows` (one uint8 tensor per layer) as one widened ``[layers, pages, row]`` view."""
+    if len(rows) < 2 or any(
+        r.shape != rows[0].shape or r.stride() != rows[0].stride() for r in rows
+    ):
+        return None
+    step = rows[1].data_ptr() - rows[0].data_ptr()
+    if step <= 0 or any(b.data_ptr() - a.data_ptr() != step for a, b in itertools.pairwise(rows)):
+        return None
+    first = rows[0].numpy()
+    grid = np.lib.stride_tricks.as_strided(
+        first, (len(rows), *first.shape), (step, *first.strides)
+    )
+    return widen(torch.from_numpy(grid))
+
+
+def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
+    """`ids` as int64, or `InvalidArgument` if not 1-D integers within ``[0, pages)``."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{what}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
+    out = arr.astype(np.int64, copy=False)
+    if out.size and (int(out.min()) < 0 or int(out.max()) >= pages):
+        bad = out[(out < 0) | (out >= pages)]
+        raise InvalidArgument(f"{what} {bad[:8].tolist()} out of range [0, {pages})")
+    return out
+
+
+def _repeated(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The ids that appear more than once (sorted; empty when all are distinct)."""
+    n = int(ids.size)
+    if n <= SMALL_COPY_PAGES:
+        if len(set(ids.tolist())) == n:
+            return ids[:0]
+    elif bool((np.diff(ids) > 0).all()):  # ascending (allocator order): distinct, no sort
+        return ids[:0]
+    uniq, counts = np.unique(ids, return_counts=True)
+    return uniq[counts > 1]
+
+
+def validate_copy(
+    family: ComponentKind,
+    src: MemberPools,
+    src_ids: PageIds,
+    dst: MemberPools,
+    dst_ids: PageIds,
+    names: tuple[str, str],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Check a family copy before any byte moves; return both id batches as int64."""
+    src_family, dst_family = src.family(family), dst.family(family)
+    if src_family != dst_family:
+        raise InvalidArgument(
+            f"{family.value}: {names[0]} and {names[1]} hold different family members"
+        )
+    s = checked_ids(src_ids, src.num_pages(family), f"{family.value} {names[0]} ids")
+    d = checked_ids(dst_ids, dst.num_pages(family), f"{family.value} {names[1]} ids")
+    if s.size != d.size:
+        raise InvalidArgument(
+            f"{family.value}: {s.size} {names[0]} ids but {d.size} {names[1]} ids"
+        )
+    twice = _repeated(d)
+    if twice.size:
+        raise InvalidArgument(f"{family.value}: {names[1]} ids {twice[:8].tolist()} appear twice")
+    return s, d
