@@ -87,8 +87,9 @@ class L3Store:
         keys, statuses = self._transfer(L3Op.GET, self.backend.get_into, namespace, hashes,
                                         members, host_ids)
         per = len(members)
-        for page in range(len(hashes)):
-            if any(s is not GetStatus.HIT for s in statuses[page * per : (page + 1) * per]):
+        for i, status in enumerate(statuses):
+            if status is not GetStatus.HIT:  # the first page with a member missing ends the run
+                page = i // per
                 self.cache.forget(keys[page * per : (page + 1) * per])
                 return page
         return len(hashes)
@@ -114,7 +115,8 @@ class L3Store:
         if not self.breaker.allow():
             raise BackendUnavailable(f"{self.name}: circuit breaker open")
         keys = self.keys(namespace, hashes, members)
-        buffers = [self.host.object_view(m.name, int(pid)) for pid in host_ids for m in members]
+        views = [self.host.object_views(m.name, host_ids) for m in members]
+        buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]
         try:
             with self.latency.timed(op):
                 statuses = call(keys, buffers)

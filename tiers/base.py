@@ -215,6 +215,11 @@ class HostPools(MemberPools):
         """
 
     @abc.abstractmethod
+    def object_views(self, member: str, page_ids: npt.NDArray[np.int64]) -> list[npt.NDArray[np.uint8]]:
+        """`object_view` of each of `page_ids`, in order (one batch check, no copies: what
+        an L3 batch hands its backend). Same errors as `object_view`."""
+
+    @abc.abstractmethod
     def payload_view(self, member: str, page_id: int) -> npt.NDArray[np.uint8]:
         """`page_first` only: the payload (``layers x bytes_per_page_per_layer``) of a slot."""
 

@@ -175,6 +175,18 @@ class HostBufferPools(MemberTable, HostPools):
         spec, slot = self._slot(member, page_id)
         return slot[: HEADER_BYTES + spec.bytes_per_page]
 
+    def object_views(self, member: str, page_ids: npt.NDArray[np.int64]) -> list[npt.NDArray[np.uint8]]:
+        self._require_page_first()
+        spec = self.member(member)
+        n = self.num_pages(spec.component)
+        ids = np.asarray(page_ids, dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            bad = ids[(ids < 0) | (ids >= n)]
+            raise InvalidArgument(f"l2.{member}: page ids {bad[:8].tolist()} out of range [0, {n})")
+        slot = self.slot_bytes(spec)
+        objects = self._region(spec)[: n * slot].reshape(n, slot)[:, : HEADER_BYTES + spec.bytes_per_page]
+        return [objects[i] for i in ids.tolist()]
+
     def payload_view(self, member: str, page_id: int) -> npt.NDArray[np.uint8]:
         spec, slot = self._slot(member, page_id)
         return slot[HEADER_BYTES : HEADER_BYTES + spec.bytes_per_page]

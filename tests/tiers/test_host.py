@@ -64,6 +64,22 @@ def test_page_first_slots_are_header_then_all_layers(make_host: Make) -> None:
         pools.payload_view("full", 32)
 
 
+def test_object_views_are_the_slots_in_order_without_copies(make_host: Make) -> None:
+    pools = make_host(tiny_config("page_first"))
+    ids = np.array([7, 0, 31, 7], dtype=np.int64)
+    views = pools.object_views("idx", ids)
+    for view, pid in zip(views, ids.tolist(), strict=True):
+        assert view.ctypes.data == pools.object_address("idx", pid) and view.nbytes == 88
+        assert np.shares_memory(view, pools.object_view("idx", pid))
+    views[0][HEADER_BYTES] = 5  # a view, not a copy
+    assert pools.payload_view("idx", 7)[0] == 5
+    assert pools.object_views("full", np.empty(0, dtype=np.int64)) == []
+    with pytest.raises(InvalidArgument, match=r"page ids \[32, -1\] out of range \[0, 32\)"):
+        pools.object_views("full", np.array([1, 32, -1]))
+    with pytest.raises(FailedPrecondition, match="page_first"):
+        make_host(tiny_config("layer_first")).object_views("full", ids)
+
+
 def test_refuses_to_start_when_ram_is_short() -> None:
     cfg = tiny_config("page_first", reserve_gb=1.0)
     needed = 4096 * 3  # three members, each region rounded to one OS page
