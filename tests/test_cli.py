@@ -25,3 +25,20 @@ def test_console_script_runs() -> None:
         [sys.executable, "-m", "hicache.cli", "config", "check"], capture_output=True, text=True, check=True
     )
     assert "page_size: 64 tokens" in out.stdout
+
+
+def test_process_defaults_set_passive_openmp_wait_unless_the_operator_chose() -> None:
+    from hicache.cli import process_defaults
+
+    env: dict[str, str] = {}
+    process_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    process_defaults(env)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+    # main() sets it first thing: that only works while importing the CLI loads no torch.
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, hicache.cli; print('torch' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "False"
