@@ -549,7 +549,9 @@ class HiRadixTree:
                 keep = ids != held
                 if ci in gapped:
                     keep &= ids >= 0
-                if keep.any():
+                if keep.all():  # the usual case: freshly computed pages, all handed back
+                    released[ci].append(ids)
+                elif keep.any():
                     released[ci].append(ids[keep])
             elif (ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None) and (
                 ci not in gapped or int(ids.min()) >= 0
@@ -698,26 +700,29 @@ class HiRadixTree:
 
     def _set(self, node: Node, comp: Component, tier: int, pages: np.ndarray | None) -> None:
         ci = comp.index
-        bit = 1 << tier
-        node.mask[ci] |= bit
-        n = comp.slot_pages(node)
+        mask = node.mask[ci] | (1 << tier)
+        node.mask[ci] = mask
+        n = node.npages if comp.per_page else 1
         self._resident[tier][ci] += n
         if node.lock[ci]:
             self._locked[tier][ci] += n
         if tier < PAGED_TIERS:
             node.res[ci * PAGED_TIERS + tier] = pages
+            queues = self._queues
             parent = node.parent
             if ci == FULL_INDEX and parent is not None:
                 parent.nres[tier] += 1
                 if parent.parent is not None:
-                    for comp_above in self._others:  # it may now drop data a child covers
-                        self._queues[tier][comp_above.index].offer(parent)
+                    for q in queues[tier][1:]:  # it may now drop data a child covers
+                        q.offer(parent)
             # Candidacy changes in this tier, and in another only where the slot is resident
             # there (a second copy makes the other one evictable).
-            mask = node.mask[ci]
-            for t in range(PAGED_TIERS):
-                if t == tier or mask & (1 << t):
-                    self._queues[t][ci].offer(node)
+            queues[tier][ci].offer(node)
+            other = mask & _PAGED_MASK & ~(1 << tier)
+            if other:
+                for t in range(PAGED_TIERS):
+                    if other & (1 << t):
+                        queues[t][ci].offer(node)
 
     def clear_resident(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray:
         """Forget `node`'s `kind` slot in `tier` (e.g. an L3 object found missing) and
