@@ -1,11 +1,14 @@
 """Page families moving between tiers: room-making, write policies, loads, L3 backups.
 
 Called by the controller under its mutex, except `run_load`'s copy (outside it: the
-locked pages cannot move) and the L3 backup jobs (on the backup worker).
+locked pages cannot move), the L1->L2 write-through flushes (on the copy worker: the
+copy runs outside the mutex, the pinned pages cannot move) and the L3 backup jobs (on
+the backup worker).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -29,6 +32,14 @@ if TYPE_CHECKING:
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
+# A pool short of room evicts this share of its pages beyond what the allocation needs
+# (16 of the default 1,024): one tree eviction and one free per that many pages rather
+# than per request. Pools of under 64 pages evict exactly what they need.
+EVICT_AHEAD_DIVISOR = 64
+# Most pages one L1->L2 flush copies: more wait for the next flush (which starts at once).
+# NOTE: the CPU copy engine copies up to 64 pages inline; larger copies go to its helper
+# threads, which contend for the GIL with the serving threads.
+FLUSH_PAGES = 64
 
 
 @dataclass
@@ -46,6 +57,18 @@ class LoadOp:
         with self.cond:
             self.layers_ready = max(self.layers_ready, layer + 1)
             self.cond.notify_all()
+
+
+@dataclass
+class HostCopy:
+    """One node's queued L1->L2 write-through: the L1 pages of each family slot that L2
+    lacks (FULL first), the pin that keeps them in place until the copy landed, and, once
+    its flush reserved them, (kind, L1 pages, L2 pages) per slot that found room."""
+
+    node: object
+    slots: list[tuple[ComponentKind, np.ndarray]]
+    pin: TreeLock
+    moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class Transfers:
@@ -68,6 +91,18 @@ class Transfers:
         # (and write) it again.
         self._queued_l2: set[int] = set()
         self._queued_l3: set[int] = set()
+        # L1->L2 write-through copies waiting for the copy worker's next flush, in order.
+        self._pending_l2: list[HostCopy] = []
+        self._flush_queued = False
+        # Allocators and evict-ahead counts by tier and kind, looked up once.
+        self._allocators = {
+            Tier.DEVICE: {k: ctl.device.allocator(k) for k in ctl._kinds},
+            Tier.HOST: {k: ctl.host.allocator(k) for k in ctl._kinds},
+        }
+        self._ahead = {
+            tier: {k: a.total // EVICT_AHEAD_DIVISOR for k, a in by_kind.items()}
+            for tier, by_kind in self._allocators.items()
+        }
         # Notified whenever a copy lands or held host pages are released: an allocation
         # short of room waits on it (releasing the mutex) rather than failing at once.
         self.landed = threading.Condition(ctl._mu)
@@ -104,16 +139,19 @@ class Transfers:
     def allocate_l2(self, kind: ComponentKind, n: int) -> np.ndarray:
         return self._allocate(Tier.HOST, kind, n)
 
-    def _allocate(self, tier: Tier, kind: ComponentKind, n: int) -> np.ndarray:
-        pools = self.ctl.device if tier is Tier.DEVICE else self.ctl.host
-        alloc = pools.allocator(kind)
-        deadline = time.monotonic() + BACKPRESSURE_S
+    def _allocate(self, tier: Tier, kind: ComponentKind, n: int, *,
+                  wait_for_copies: bool = True, wait_s: float = BACKPRESSURE_S) -> np.ndarray:
+        alloc = self._allocators[tier][kind]
+        if alloc.free_count >= n:
+            return alloc.allocate(n)
+        deadline = time.monotonic() + wait_s
         while True:
             if alloc.free_count < n:
-                self._evict(tier, kind, n - alloc.free_count)
+                self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
             if alloc.free_count >= n:
                 return alloc.allocate(n)
-            pending = self._queued_l2 or (tier is Tier.HOST and any(self._parked_l2.values()))
+            pending = ((wait_for_copies and self._queued_l2)
+                       or (tier is Tier.HOST and any(self._parked_l2.values())))
             left = deadline - time.monotonic()
             if not pending or self._evicting or left <= 0:
                 raise ResourceExhausted(
@@ -125,7 +163,7 @@ class Transfers:
 
     def free_l1(self, kind: ComponentKind, ids: np.ndarray) -> None:
         if len(ids):
-            self.ctl.device.allocator(kind).free(ids)
+            self._allocators[Tier.DEVICE][kind].free(ids)
 
     def free_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
         if not len(ids):
@@ -137,7 +175,7 @@ class Transfers:
                 self._parked_l2.setdefault(kind, []).extend(int(i) for i in ids[busy])
                 ids = ids[~busy]
         if len(ids):
-            self.ctl.host.allocator(kind).free(ids)
+            self._allocators[Tier.HOST][kind].free(ids)
 
     def _hold_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
         self._held_l2.setdefault(kind, Counter()).update(int(i) for i in ids)
@@ -161,8 +199,7 @@ class Transfers:
         """A component's own eviction first (SWA windows, MAMBA checkpoints), then whole
         leaves, which free every slot of their family. Re-entrant: an L1 write-back may
         evict from L2 while an L1 eviction is under way."""
-        pools = self.ctl.device if tier is Tier.DEVICE else self.ctl.host
-        alloc = pools.allocator(kind)
+        alloc = self._allocators[tier][kind]
         target = alloc.free_count + n
         for victim_kind in dict.fromkeys((kind, FULL)):
             short = target - alloc.free_count
@@ -264,34 +301,139 @@ class Transfers:
         return bool(moves)
 
     def after_insert(self, end: object) -> None:
-        """Write-through at insert: L1 -> L2 for the path's new pages (on the backup
+        """Write-through at insert: L1 -> L2 for the path's new pages (on the copy
         worker, off the request path), then L3."""
         policy = self.cfg.write.l1_to_l2
         threshold = self.cfg.write.selective_threshold
-        for node in self.tree.path_to(end):
+        path = self.tree.path_to(end)
+        for node in path:
             if self.tree.is_resident(node, FULL, Tier.HOST):
                 continue
             if policy is WritePolicy.WRITE_THROUGH or (
                 policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) >= threshold
             ):
                 self.backup_to_host_async(node)
-        self._maybe_l3(self.tree.path_to(end))
+        self._maybe_l3(path)
 
     def backup_to_host_async(self, node: object) -> None:
-        """Like `backup_to_host`, but the copy runs on the backup worker: host pages are
-        taken now, the node is pinned (its L1 pages cannot move) until the copy landed."""
+        """Like `backup_to_host`, but on the copy worker: the node is pinned now (its L1
+        pages cannot move) until the copy landed; the worker takes the host pages.
+
+        Copies queued while the worker is busy share its next flush: one L2 allocation
+        per family, one engine call per family and one landing under the mutex, in the
+        order they were queued (up to `FLUSH_PAGES` pages; the rest take the next)."""
         if id(node) in self._queued_l2:
             return
-        moves = self._host_copies(node)
-        if not moves:
+        slots = []
+        for kind in self.ctl._kinds:
+            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
+            if dev is not None and not self.tree.is_resident(node, kind, Tier.HOST):
+                slots.append((kind, dev))
+        if not slots:
             return
-        for kind, _dev, host_ids in moves:
-            self._in_flight.setdefault(kind, []).append(host_ids)
-        pin = self.tree.pin(node)
         self._queued_l2.add(id(node))
+        self._pending_l2.append(HostCopy(node, slots, self.tree.pin(node)))
+        self._schedule_l2_flush()
 
-        def land(copied: bool) -> None:
+    def _schedule_l2_flush(self) -> None:
+        """Caller holds the mutex. At most one flush job waits in the copy worker's queue:
+        it takes whatever is pending when it runs, so later copies ride along."""
+        if self._flush_queued or not self._pending_l2:
+            return
+        self._flush_queued = True
+        if not self.copy_worker.submit(Job("l1-to-l2", self._flush_l2, lambda _e: None)):
+            # Queue full: copy here rather than lose the backups.
+            self._flush_queued = False
+            self._flush_l2()
+
+    def _flush_l2(self) -> None:
+        """Reserve host pages for the oldest pending L1->L2 backups, copy them (one engine
+        call per family) outside the mutex, then land them. A failure lands them as not
+        copied (their host pages are freed) and raises, so the worker counts and logs it."""
+        with self.ctl._mu:
+            batch = self._take_pending()
+        try:
+            if batch:
+                self._copy_to_host(batch)
+        finally:
             with self.ctl._mu:
+                self._schedule_l2_flush()  # what did not fit in this flush
+
+    def _copy_to_host(self, batch: list[HostCopy]) -> None:
+        try:
+            with self.ctl._mu:
+                self.stats["l2_flushes"] += 1
+                self._reserve_host(batch)
+            by_kind: dict[ComponentKind, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+            for copy in batch:
+                for kind, dev, host_ids in copy.moves:
+                    devs, hosts = by_kind.setdefault(kind, ([], []))
+                    devs.append(dev)
+                    hosts.append(host_ids)
+            for kind, (devs, hosts) in by_kind.items():
+                if len(devs) == 1:
+                    self.copier.device_to_host(kind, devs[0], hosts[0])
+                else:
+                    self.copier.device_to_host(kind, np.concatenate(devs), np.concatenate(hosts))
+        except BaseException:
+            self._land_l2(batch, copied=False)
+            raise
+        self._land_l2(batch, copied=True)
+
+    def _take_pending(self) -> list[HostCopy]:
+        """Caller holds the mutex. The oldest pending copies, up to `FLUSH_PAGES` pages
+        (at least one copy); copies queued from now on schedule the next flush."""
+        pending, pages, n = self._pending_l2, 0, 0
+        while n < len(pending) and (n == 0 or pages + len(pending[n].slots[0][1]) <= FLUSH_PAGES):
+            pages += len(pending[n].slots[0][1])
+            n += 1
+        batch, self._pending_l2 = pending[:n], pending[n:]
+        self._flush_queued = False
+        return batch
+
+    def _reserve_host(self, batch: list[HostCopy]) -> None:
+        """Caller holds the mutex. Host pages for each queued slot, one allocation per
+        family for the whole batch (evicting from L2 as needed; waiting, like any L2
+        allocation, for host pages an L3 write holds, but not for queued copies: those
+        are this batch). Short of room for the batch, node by node without waiting: a
+        node whose FULL slot finds no room is skipped (counted); a later slot without
+        room stops its node's copies there."""
+        want: dict[ComponentKind, int] = {}
+        for copy in batch:
+            for kind, dev in copy.slots:
+                want[kind] = want.get(kind, 0) + len(dev)
+        got: dict[ComponentKind, np.ndarray] = {}
+        for kind, n in want.items():
+            with contextlib.suppress(ResourceExhausted):  # else node by node below
+                got[kind] = self._allocate(Tier.HOST, kind, n, wait_for_copies=False)
+        used = dict.fromkeys(got, 0)
+        try:
+            for copy in batch:
+                for kind, dev in copy.slots:
+                    if kind in got:
+                        host_ids = got[kind][used[kind] : used[kind] + len(dev)]
+                        used[kind] += len(dev)
+                    else:
+                        try:
+                            host_ids = self._allocate(Tier.HOST, kind, len(dev), wait_s=0.0)
+                        except ResourceExhausted:
+                            self.stats["backups_l2_skipped"] += 1
+                            break
+                    self._in_flight.setdefault(kind, []).append(host_ids)
+                    copy.moves.append((kind, dev, host_ids))
+        finally:
+            for kind, ids in got.items():  # what skipped slots would have taken
+                self.free_l2(kind, ids[used[kind] :])
+
+    def _land_l2(self, batch: list[HostCopy], copied: bool) -> None:
+        with self.ctl._mu:
+            landed: dict[int, object] = {}
+            for copy in batch:
+                node, moves = copy.node, copy.moves
+                if not moves:  # no room in L2: nothing was reserved
+                    self._queued_l2.discard(id(node))
+                    self.tree.unlock(copy.pin)
+                    continue
                 # NOTE: a match may have split the node meanwhile; the pinned object is the
                 # tail, its new parents hold the head of the copied span.
                 span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
@@ -307,20 +449,10 @@ class Transfers:
                         else:
                             self.free_l2(kind, host_ids[lo:hi])
                 self._queued_l2.discard(id(node))
-                self.tree.unlock(pin)
-                self.landed.notify_all()
-                self._maybe_l3([part for part, _, _ in span])
-
-        def run() -> None:
-            for kind, dev, host_ids in moves:
-                self.copier.device_to_host(kind, dev, host_ids)
-            land(True)
-
-        if not self.copy_worker.submit(Job("l1-to-l2", run, lambda _e: land(False))):
-            # Queue full: copy here rather than lose the backup.
-            for kind, dev, host_ids in moves:
-                self.copier.device_to_host(kind, dev, host_ids)
-            land(True)
+                self.tree.unlock(copy.pin)
+                landed.update((id(part), part) for part, _, _ in span)
+            self.landed.notify_all()
+            self._maybe_l3(list(landed.values()))
 
     def after_match(self, m: MatchResult) -> None:
         """Selective write-through: nodes that just got hot go down a tier."""

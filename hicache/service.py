@@ -140,19 +140,23 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Batch(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         principal = current_principal()
+        # Per-call work done once: a token allowed every namespace needs no per-op check.
+        require = None if principal.unrestricted else principal.require
+        ops = self._ops
         response = pb.BatchResponse()
-        results = response.results
+        add_result = response.results.add
         for i, op in enumerate(request.ops):
             kind = op.WhichOneof("op")
-            result = results.add()
+            result = add_result()
             try:
                 if kind is None:
                     raise InvalidArgument("empty op: set one of the BatchOp fields")
                 msg = getattr(op, kind)
-                namespace = getattr(msg, "namespace", None)
-                if isinstance(namespace, str):
-                    principal.require(namespace)
-                getattr(result, kind).CopyFrom(self._ops[kind](engine, msg))
+                if require is not None:
+                    namespace = getattr(msg, "namespace", None)
+                    if isinstance(namespace, str):
+                        require(namespace)
+                getattr(result, kind).CopyFrom(ops[kind](engine, msg))
             except Exception as exc:
                 code, message = op_status(exc, f"Batch op {i} ({kind})")
                 result.status.code = code.value[0]

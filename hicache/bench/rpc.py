@@ -11,7 +11,9 @@ in one run:
   Insert; the figure is per round (two calls / 16);
 - rounds per second with 1 and 8 client processes (each its own engine and connection).
 
-Ratios are per-round time over one empty call's, both medians of the same run.
+Ratios are per-round time over one empty call's, both medians of the same run. The three
+series are timed in alternating blocks (each after a few untimed calls of its own kind), so
+that other load on the machine during the run weighs on all of them alike.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from hicache.client import Client, insert_op, match_op
 PROMPT_TOKENS = 4096
 BATCH = 16
 SEED = 0
+BLOCKS = 10  # the empty calls, rounds and batches alternate in this many blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,16 +178,29 @@ def start_daemon(socket: Path) -> subprocess.Popen[bytes]:
     raise SystemExit("daemon did not become ready within 60 s")
 
 
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
+    n_batches = max(20, args.calls // BATCH)
+    blocks = max(1, min(BLOCKS, n_batches // 2))
     with Client(target, engine_id="bench-main") as client:
         page = client.attach(map_pools=False).info.page_size
         work = Workload(client, page, salt=1)
-        empty = _timed(client.serving, args.calls)
-        work.prepare(args.calls + 50)
-        rounds = _timed(work.round, args.calls)
-        n_batches = max(20, args.calls // BATCH)
-        work.prepare((n_batches + 5) * BATCH)
-        batches = _timed(work.batched, n_batches, warmup=5)
+        work.prepare(args.calls + 50 + blocks * 5 + (n_batches + 5 + blocks) * BATCH)
+        _timed(client.serving, 0)
+        _timed(work.round, 0)
+        _timed(work.batched, 0, warmup=5)
+        # The three series are timed in alternating blocks, so that a change in the
+        # machine's load during the run (other processes) weighs on all three alike.
+        empty: list[float] = []
+        rounds: list[float] = []
+        batches: list[float] = []
+        for calls, n in zip(_split(args.calls, blocks), _split(n_batches, blocks), strict=True):
+            empty += _timed(client.serving, calls, warmup=5)
+            rounds += _timed(work.round, calls, warmup=5)
+            batches += _timed(work.batched, n, warmup=1)
     per_round = [t / BATCH for t in batches]
     figures: dict[str, Any] = {
         "prompt_tokens": PROMPT_TOKENS,

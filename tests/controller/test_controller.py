@@ -8,31 +8,13 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import Engine, tiny_config, toks
+from engine_sim import Engine, toks
 
 from hicache.controller.base import MatchRequest, PrefetchState
-from hicache.controller.controller import build_controller
 from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
-_instances = iter(range(10**6))
-
-
-@pytest.fixture
-def make(tmp_path):
-    built = []
-
-    def factory(**kw):
-        cfg = tiny_config(tmp_path, **kw)
-        ctl = build_controller(cfg, f"t{next(_instances)}x{int(time.time() * 1000) % 100000}")
-        built.append(ctl)
-        return ctl
-
-    yield factory
-    for ctl in built:
-        ctl.check_integrity()
-        ctl.close()
 
 
 def evict_all(ctl, tier: Tier) -> None:

@@ -1,0 +1,176 @@
+"""L1->L2 write-through on the copy worker: copies queued while it is busy share one flush
+(one host allocation, one engine call per family, one landing), flushes stay within
+FLUSH_PAGES, an allocation short of L1 room waits for them, and a flush short of L2 room
+skips whole nodes. Every page that comes back from L2 is checked byte for byte."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from engine_sim import Engine, toks
+
+from hicache.controller import transfers as transfers_mod
+from hicache.controller.base import MatchRequest
+from hicache.controller.workers import Job
+from hicache.types import ComponentKind, Tier
+
+FULL = ComponentKind.FULL
+
+
+@pytest.fixture
+def make(make):
+    """Controllers with write-through L1->L2 and no L3, unless a test says otherwise."""
+    def factory(**kw):
+        return make(**{"storage__backend": "none", "write__l1_to_l2": "write_through", **kw})
+
+    return factory
+
+
+def seq(n_pages: int, base: int) -> bytes:
+    return toks(np.arange(base, base + n_pages * 4))
+
+
+def gate_copies(ctl) -> threading.Event:
+    """Hold the copy worker until the returned event is set: copies queue up behind it."""
+    gate = threading.Event()
+    assert ctl.transfers.copy_worker.submit(Job("gate", lambda: gate.wait(10), lambda _e: None))
+    return gate
+
+
+def count_copies(ctl) -> list[tuple[ComponentKind, int]]:
+    """(family, pages) of every L1->L2 engine call from now on."""
+    calls: list[tuple[ComponentKind, int]] = []
+    copier = ctl.transfers.copier
+    inner = copier.device_to_host
+
+    def spy(kind, device_ids, host_ids, on_layer=None):
+        calls.append((kind, len(device_ids)))
+        return inner(kind, device_ids, host_ids, on_layer)
+
+    copier.device_to_host = spy
+    return calls
+
+
+def reload_and_verify(ctl, eng: Engine, prompts: list[bytes]) -> None:
+    """Drop every L1 copy, then run each prompt again: its pages load back from L2 and
+    `Engine` compares every byte with what was written."""
+    with ctl._mu:
+        for kind in ctl._kinds:
+            ctl.transfers._evict(Tier.DEVICE, kind, ctl.device.allocator(kind).total)
+    for tokens in prompts:
+        m = eng.request(tokens)
+        assert m.device_tokens == 0 and m.host_tokens == len(tokens) // 4
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_copies_queued_behind_a_busy_worker_land_in_one_flush(make, hybrid: bool) -> None:
+    ctl = make(hybrid=hybrid)
+    eng = Engine(ctl)
+    calls = count_copies(ctl)
+    gate = gate_copies(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(6)]
+    for tokens in prompts:
+        eng.request(tokens)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0  # all six still queued
+    assert len(ctl.transfers._pending_l2) == 6
+    gate.set()
+    assert ctl.transfers.drain(10)
+    assert ctl.transfers.stats["l2_flushes"] == 1
+    assert ctl.transfers.stats["backups_l2"] >= 12
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 12
+    # One engine call per family for the six nodes, FULL first.
+    assert [kind for kind, _ in calls] == list(ctl._kinds)
+    assert calls[0] == (FULL, 12)
+    ctl.check_integrity()  # no host page left in flight, the pins are gone
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_a_flush_copies_at_most_flush_pages_and_queues_the_rest(make, monkeypatch) -> None:
+    monkeypatch.setattr(transfers_mod, "FLUSH_PAGES", 4)
+    ctl = make()
+    eng = Engine(ctl)
+    calls = count_copies(ctl)
+    gate = gate_copies(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(5)]  # 10 pages
+    for tokens in prompts:
+        eng.request(tokens)
+    gate.set()
+    assert ctl.transfers.drain(10)
+    # Queue order is kept: 2+2 pages, 2+2, then the last node alone.
+    assert calls == [(FULL, 4), (FULL, 4), (FULL, 2)]
+    assert ctl.transfers.stats["l2_flushes"] == 3
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_an_allocation_short_of_l1_room_waits_for_the_queued_copies(make) -> None:
+    ctl = make(l1_tokens=32)  # 8 L1 pages
+    eng = Engine(ctl)
+    gate = gate_copies(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(4)]  # fills L1, every page pinned
+    for tokens in prompts:
+        eng.request(tokens)
+    assert ctl.device.allocator(FULL).free_count == 0
+    threading.Timer(0.2, gate.set).start()
+    start = time.monotonic()
+    m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
+    assert time.monotonic() - start >= 0.15  # it waited for the flush, then evicted
+    assert ctl.transfers.stats["allocation_waits"] >= 1
+    assert len(m.pages["full"]) == 2
+    ctl.release("e1", m.lock_id, m.allocation_id)
+    assert ctl.transfers.drain(10)
+    assert ctl.transfers.stats["l2_flushes"] == 1  # the four copies went together
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_a_flush_short_of_l2_room_skips_whole_nodes(make) -> None:
+    ctl = make()
+    eng = Engine(ctl)
+    host = ctl.host.allocator(FULL)
+    hog = host.allocate(host.free_count - 3)  # L2 has 3 free pages and nothing to evict
+    try:
+        gate = gate_copies(ctl)
+        first, second = seq(2, 1000), seq(2, 2000)
+        eng.request(first)
+        eng.request(second)
+        gate.set()
+        assert ctl.transfers.drain(10)
+        # The batch (4 pages) did not fit; node by node, the first fit and the second not.
+        assert ctl.transfers.stats["backups_l2_skipped"] == 1
+        assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
+        assert host.free_count == 1
+        assert ctl.tree.locked_pages(Tier.DEVICE, FULL) == 0  # both unpinned
+    finally:
+        host.free(hog)
+    ctl.check_integrity()
+    reload_and_verify(ctl, eng, [first])
+
+
+def test_a_failed_flush_frees_its_host_pages_and_the_next_one_lands(make) -> None:
+    ctl = make()
+    eng = Engine(ctl)
+    copier = ctl.transfers.copier
+    inner = copier.device_to_host
+    fail = [True]
+
+    def flaky(kind, device_ids, host_ids, on_layer=None):
+        if fail.pop() if fail else False:
+            raise RuntimeError("copy engine failed")
+        return inner(kind, device_ids, host_ids, on_layer)
+
+    copier.device_to_host = flaky
+    gate = gate_copies(ctl)
+    lost, kept = seq(2, 1000), seq(2, 2000)
+    eng.request(lost)
+    gate.set()
+    assert ctl.transfers.drain(10)
+    assert ctl.transfers.copy_worker.failures == 1 and ctl.transfers.copy_worker.alive
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+    assert ctl.tree.locked_pages(Tier.DEVICE, FULL) == 0  # unpinned
+    ctl.check_integrity()  # the reserved host pages went back to the pool
+    eng.request(kept)
+    assert ctl.transfers.drain(10)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
+    reload_and_verify(ctl, eng, [kept])
