@@ -12,6 +12,7 @@ daemon recognise (and unlink) the segments of one that was killed (`cleanup_stal
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import re
@@ -22,9 +23,10 @@ import numpy as np
 import torch
 
 from hicache.config import HicacheConfig, MemberSpec
-from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hicache.tiers.base import DevicePools, PoolDescriptor, PoolKind
 from hicache.tiers.members import MemberTable
+from hicache.tiers.prefault import Prefaulter
 from hicache.types import ComponentKind
 
 SHM_DIR = Path("/dev/shm")
@@ -85,6 +87,27 @@ def _process_alive(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
+def _address(m: mmap.mmap) -> int:
+    return int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    """Give the new segment its memory now. A tmpfs file is sparse: without this, a full
+    /dev/shm surfaces later as SIGBUS in whichever process first writes a missing page
+    (the daemon or an engine), and every first write pays the page allocation."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG):
+            free = os.statvfs(path.parent)
+            raise ResourceExhausted(
+                f"l1: {path.parent} has {free.f_bavail * free.f_frsize} bytes free, the pools "
+                f"need {size} (enlarge that tmpfs or lower tiers.l1)"
+            ) from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
 class _Segment:
     """One mapped shm file: created by the daemon or opened by an engine."""
 
@@ -99,6 +122,7 @@ class _Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                _reserve(fd, path, size)
             elif os.fstat(fd).st_size < size:
                 raise InvalidArgument(
                     f"shm segment {path} holds {os.fstat(fd).st_size} bytes, "
@@ -110,6 +134,9 @@ class _Segment:
                 # /sys/kernel/mm/transparent_hugepage/shmem_enabled is 'advise' or more.
                 with contextlib.suppress(OSError):
                     self.map.madvise(mmap.MADV_HUGEPAGE)
+            # The daemon maps its own segments' pages up front (an engine faults in its own
+            # mapping of the same, already allocated, pages).
+            self.prefault = Prefaulter(_address(self.map), size, path.name) if create else None
         except BaseException:
             if create:
                 path.unlink(missing_ok=True)
@@ -119,6 +146,9 @@ class _Segment:
         self.path = path
 
     def close(self, unlink: bool) -> None:
+        if self.prefault is not None:
+            self.prefault.stop()  # before the memory goes
+            self.prefault = None
         if unlink:
             self.path.unlink(missing_ok=True)
         # NOTE: a view still alive somewhere keeps the mapping; it is then unmapped when

@@ -30,6 +30,7 @@ from hicache.config import GiB, HicacheConfig, MemberSpec
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
+from hicache.tiers.prefault import Prefaulter
 from hicache.types import ComponentKind, HostLayout
 
 __all__ = [
@@ -114,6 +115,8 @@ class HostBufferPools(MemberTable, HostPools):
         self._buf: npt.NDArray[np.uint8] | None = np.frombuffer(self._map, dtype=np.uint8)
         self._address = int(self._buf.ctypes.data)
         self._pinned_chunks: list[tuple[int, int]] = []
+        # Pinning touches every page; unpinned memory is populated in the background.
+        self._prefault: Prefaulter | None = None if pin else Prefaulter(self._address, self._size, "l2")
         if pin:
             from hicache.tiers.cuda import register_host_memory
 
@@ -196,6 +199,9 @@ class HostBufferPools(MemberTable, HostPools):
         return self._address + self._offsets[member] + int(page_id) * self.slot_bytes(spec)
 
     def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.stop()  # before the memory goes
+            self._prefault = None
         if self._pinned_chunks:
             from hicache.tiers.cuda import unregister_host_memory
 

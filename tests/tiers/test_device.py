@@ -4,6 +4,7 @@ segments of a killed daemon, and (on a GPU machine) CUDA IPC."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import pytest
 import torch
 from tierkit import oracle, tiny_config
 
-from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from hicache.tiers.base import PoolDescriptor, PoolKind
 from hicache.tiers.device import (
     SHM_DIR,
@@ -72,6 +73,30 @@ def test_close_unlinks_every_segment(make_device: Make) -> None:
     pools.close()
     assert not any(p.exists() for p in paths)
     pools.close()  # idempotent
+
+
+def test_segments_get_their_memory_at_creation(make_device: Make) -> None:
+    pools = make_device(tiny_config())
+    for path in pools.segment_paths():
+        st = path.stat()
+        assert st.st_blocks * 512 >= st.st_size > 0  # not sparse: no SIGBUS on a full tmpfs later
+
+
+def test_a_full_shm_filesystem_refuses_start_and_leaves_nothing(
+    instance: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, calls = os.posix_fallocate, []
+
+    def full(fd: int, offset: int, size: int) -> None:  # room for the first segment only
+        calls.append(size)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ResourceExhausted, match=r"l1: /dev/shm has \d+ bytes free, the pools need \d+"):
+        ShmDevicePools.create(tiny_config(), instance)
+    assert len(calls) == 2 and not list(Path("/dev/shm").glob(f"*{instance}*"))
 
 
 ENGINE = textwrap.dedent(
