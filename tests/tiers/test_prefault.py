@@ -3,9 +3,10 @@ changed (it may run while the pool is in use), and stop() ends it before unmappi
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,37 +18,33 @@ SIZE = 16 << 20
 
 
 def resident_pages(m: mmap.mmap) -> int:
-    """Pages of `m` resident in this process (its mapping's Rss in /proc/self/smaps)."""
+    """Pages of `m` resident in memory, by mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = len(m) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
     addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
-    inside, rss = False, 0
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith("Rss:"):
-            rss += int(line.split()[1]) * 1024
-    return rss // mmap.PAGESIZE
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(len(m)), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
 
 
 @pytest.fixture
 def region():
     m = mmap.mmap(-1, SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     yield m
-    m.close()
+    with contextlib.suppress(BufferError):  # a failed test's traceback may hold a view
+        m.close()
 
 
 def test_populate_makes_every_page_resident_without_changing_it(region) -> None:
     arr = np.frombuffer(region, dtype=np.uint8)
     arr[5 * 4096 + 7] = 42  # a page already written keeps its bytes
-    assert resident_pages(region) <= 2
+    assert resident_pages(region) <= 16  # that page (and what the kernel read around it)
     done = populate(arr.ctypes.data, SIZE)
     if done == 0:
         pytest.skip("kernel without MADV_POPULATE_WRITE")
     assert done == SIZE
     assert resident_pages(region) == SIZE // mmap.PAGESIZE
     assert arr[5 * 4096 + 7] == 42 and int(arr.sum()) == 42
-    del arr
 
 
 def test_prefaulter_stops_between_chunks(region, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,4 +57,3 @@ def test_prefaulter_stops_between_chunks(region, monkeypatch: pytest.MonkeyPatch
     assert p.wait(10)
     p.stop()  # idempotent after it finished
     assert p.done_bytes in (0, SIZE)
-    del arr
