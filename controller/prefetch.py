@@ -244,6 +244,8 @@ class Prefetcher:
                                           mamba_slot=slot, tier=Tier.HOST)
             for kind, ids in result.released.items():
                 self.ctl.transfers.free_l2(kind, ids)
+            end = result.end if result.end is not None else (op.pin.end if op.pin else None)
+            self._mark_in_storage(op, end, lo, hi, slot is not None)
             for kind in op.host:
                 if kind is MAMBA:
                     if slot is not None:
@@ -252,6 +254,38 @@ class Prefetcher:
                     op.host[kind][lo:hi] = -1  # owned by the tree (or freed) now
             with op.mu:
                 op.pages_ready = hi
+
+    def _mark_in_storage(self, op: PrefetchOp, end: object | None, lo: int, hi: int,
+                         checkpoint: bool) -> None:
+        """Caller holds the mutex. The slots this commit read from L3 are in L3: record it,
+        so that write-through does not write them back. Per kind only the pages it read
+        (a windowed kind only its final window), whole nodes only."""
+        if end is None:
+            return
+        ps = op.page_size
+        total = len(op.hashes)
+        first = {
+            c.kind: op.start_page + (max(lo, total - c.window_pages) if c.window_pages else lo)
+            for c in self.tree.components if c.per_page
+        }
+        last = op.start_page + hi
+        tree = self.tree
+        node: object | None = end
+        while node is not None:
+            parent = tree.parent_of(node)
+            top, bottom = tree.depth_tokens(parent) // ps, tree.depth_tokens(node) // ps
+            if bottom <= min(first.values()):
+                break
+            for kind, begin in first.items():
+                if begin <= top and bottom <= last and kind in op.host:
+                    self._mark(node, kind)
+            if checkpoint and node is end and MAMBA in op.host:
+                self._mark(node, MAMBA)
+            node = parent
+
+    def _mark(self, node: object, kind: ComponentKind) -> None:
+        if self.tree.is_resident(node, kind, Tier.HOST) and not self.tree.is_resident(node, kind, Tier.STORAGE):
+            self.tree.set_resident(node, kind, Tier.STORAGE)
 
     def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
         with self.ctl._mu:

@@ -41,6 +41,7 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     evict_all(ctl, Tier.HOST)
     m = ctl.match("e1", MatchRequest("", tokens))
     assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 24)
+    puts = ctl.l3.backend.stats().puts
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
     assert m.prefetch_id
     for _ in range(200):
@@ -51,6 +52,11 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     ctl.release("e1", m.lock_id, None)
     m2 = ctl.match("e1", MatchRequest("", tokens))
     assert (m2.device_tokens, m2.host_tokens) == (0, 24)
+    # What came from L3 is known to be there: write-through does not write it back.
+    assert ctl.transfers.drain(10) and ctl.l3.backend.stats().puts == puts
+    with ctl._mu:
+        path = ctl.tree.match("", tokens).path
+    assert path and all(ctl.tree.is_resident(n, FULL, Tier.STORAGE) for n in path)
     eng.request(tokens + seq(1, 999))  # loads from L2 and verifies every byte
     assert eng.checked > 0
     again = ctl.match("e1", MatchRequest("", tokens))
