@@ -14,6 +14,7 @@ Every call goes through `ServerInterceptor`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -87,56 +88,43 @@ class ServerInterceptor(grpc.ServerInterceptor):
     def _unary(
         self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Any]
     ) -> Callable[[Any, grpc.ServicerContext], Any]:
-        metrics = self._metrics
-
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
-            start = time.perf_counter()
-            code = "OK"
-            token = None
-            try:
-                if auth is not None:
-                    token = _authorize(auth, request, context)
+            with self._served(label, auth, request, context):
                 return inner(request, context)
-            except Exception as exc:
-                status, message = status_of(exc)
-                code = status.name
-                if status is grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed unexpectedly", label)
-                context.abort(status, message)
-            finally:
-                if token is not None:
-                    reset_current_principal(token)
-                if metrics is not None:
-                    metrics.observe(label, code, time.perf_counter() - start)
 
         return behavior
 
     def _stream(
         self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Iterator[Any]]
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
-        metrics = self._metrics
-
         def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            start = time.perf_counter()
-            code = "OK"
-            token = None
-            try:
-                if auth is not None:
-                    token = _authorize(auth, request, context)
+            with self._served(label, auth, request, context):
                 yield from inner(request, context)
-            except Exception as exc:
-                status, message = status_of(exc)
-                code = status.name
-                if status is grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed unexpectedly", label)
-                context.abort(status, message)
-            finally:
-                if token is not None:
-                    reset_current_principal(token)
-                if metrics is not None:
-                    metrics.observe(label, code, time.perf_counter() - start)
 
         return behavior
+
+    @contextlib.contextmanager
+    def _served(self, label: str, auth: Authenticator | None, request: Any,
+                context: grpc.ServicerContext) -> Iterator[None]:
+        """Steps 1, 3 and 4 around one call (for a stream: around all of its messages)."""
+        start = time.perf_counter()
+        code = "OK"
+        token = None
+        try:
+            if auth is not None:
+                token = _authorize(auth, request, context)
+            yield
+        except Exception as exc:
+            status, message = status_of(exc)
+            code = status.name
+            if status is grpc.StatusCode.INTERNAL:
+                log.exception("%s failed unexpectedly", label)
+            context.abort(status, message)
+        finally:
+            if token is not None:
+                reset_current_principal(token)
+            if self._metrics is not None:
+                self._metrics.observe(label, code, time.perf_counter() - start)
 
 
 def _authorize(auth: Authenticator, request: Any, context: grpc.ServicerContext) -> Any:
