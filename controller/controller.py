@@ -37,6 +37,7 @@ from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
 from hicache.errors import BackendUnavailable, ConfigError, InvalidArgument, NotFound
+from hicache.keys import PAGE_HASH_BYTES, chain_hashes
 from hicache.tiers.base import CopyEngine, DevicePools, HostPools
 from hicache.tiers.copy import build_copy_engine
 from hicache.tiers.device import build_device_pools
@@ -130,7 +131,7 @@ class HybridCacheController(CacheService):
             gone = self._engines.lapsed()
             for engine in gone:
                 for lock_id in engine.locks:
-                    self._prefetch_of_lock.pop(lock_id, None)
+                    self._request_moves_on(lock_id)
                 locks, allocs = self._engines.take_handles(engine)
                 for rec in locks:
                     if rec.tree_lock.active:
@@ -157,11 +158,18 @@ class HybridCacheController(CacheService):
                 f"tokens: {len(tokens) // 4} tokens exceed server.max_tokens_per_request ({limit})"
             )
 
+    def _check_count(self, name: str, n: int, lo: int) -> None:
+        limit = self.cfg.server.max_tokens_per_request
+        if not lo <= n <= limit:
+            raise InvalidArgument(
+                f"{name}: {n} must be in [{lo}, {limit}] (server.max_tokens_per_request)"
+            )
+
     def match(self, engine_id: str, req: MatchRequest) -> MatchOutcome:
         self._check_tokens(req.tokens)
         wants_handle = req.lock or req.allocate_tokens is not None or req.prefetch
-        if req.allocate_tokens is not None and req.allocate_tokens < 0:
-            raise InvalidArgument(f"allocate_tokens: {req.allocate_tokens} must be >= 0")
+        if req.allocate_tokens is not None:
+            self._check_count("allocate_tokens", req.allocate_tokens, 0)
         with self._mu:
             if wants_handle:
                 self._engines.renew(engine_id)
@@ -176,6 +184,8 @@ class HybridCacheController(CacheService):
             # that L3 can complete.
             base = m.path[-1] if m.path else None
             known = m.device_tokens + m.host_tokens + m.storage_tokens
+            beyond_l3 = self.l3 is not None and len(req.tokens) // self._pb * self._ps > known
+            prev = self.tree.chain_prev(req.namespace, base) if beyond_l3 else b""
             lock_id = 0
             if m.lock is not None:
                 lock_id = self._engines.add_lock(
@@ -183,22 +193,22 @@ class HybridCacheController(CacheService):
                 )
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
-        if self.l3 is not None and len(req.tokens) // self._pb * self._ps > known:
-            beyond = self.tree.chain_after(req.namespace, base, req.tokens[known * 4 :])
+        if beyond_l3:
+            beyond = chain_hashes(prev, req.tokens[known * 4 :], self._pb)
             run = self.prefetcher.l3_run(req.namespace, beyond)
             storage_tokens += run * self._ps
             fetch = run
-            if req.prefetch and len(self.tree.components) > 1 and 0 < self.prefetcher.budget_left() < run:
+            budget = self.prefetcher.budget_left()
+            if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:
                 # Over the prefetch budget: stop at the deepest boundary a hybrid model can
                 # reuse (an earlier checkpoint), not at a page it could not use at all.
-                fetch = self.prefetcher.l3_run(req.namespace, beyond,
-                                               limit=self.prefetcher.budget_left())
-            beyond = beyond[: fetch * 16]
-        self.counters["hit_tokens_storage"] += storage_tokens
+                fetch = self.prefetcher.l3_run(req.namespace, beyond, limit=budget)
+            beyond = beyond[: fetch * PAGE_HASH_BYTES]
         prefetch_id = 0
         alloc_id = 0
         alloc_pages: PagesByMember = {}
         with self._mu:
+            self.counters["hit_tokens_storage"] += storage_tokens
             if (req.prefetch and beyond and m.lock is not None
                     and storage_tokens >= self.cfg.prefetch.threshold_tokens):
                 prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base, beyond)
@@ -255,10 +265,7 @@ class HybridCacheController(CacheService):
         return self._by_member(pages)
 
     def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo:
-        if req.num_tokens <= 0:
-            raise InvalidArgument(f"num_tokens: {req.num_tokens} must be > 0")
-        if req.num_tokens // self._ps > self.cfg.server.max_tokens_per_request:
-            raise InvalidArgument(f"num_tokens: {req.num_tokens} exceeds server.max_tokens_per_request")
+        self._check_count("num_tokens", req.num_tokens, 1)
         with self._mu:
             self._engines.renew(engine_id)
             if req.allocation_id:
@@ -429,6 +436,7 @@ class HybridCacheController(CacheService):
                     ))
             counters = dict(self.counters)
             counters.update(self.transfers.counters())
+            counters["prefetches_running"] = self.prefetcher.running
             counters["active_locks"] = self._engines.lock_count
             counters["active_allocations"] = self._engines.allocation_count
             if self.l3 is not None:

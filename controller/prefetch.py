@@ -79,6 +79,7 @@ class Prefetcher:
         self._ids = itertools.count(1)
         self._keep = keep_finished
         self._reserved_pages = 0
+        self.running = 0  # ops started and not finished (caller holds the mutex to read)
 
     def start(self) -> None:
         self.worker.start()
@@ -137,8 +138,7 @@ class Prefetcher:
         nothing could be reserved."""
         cfg = self.ctl.cfg
         ps = cfg.model.page_size
-        budget = int(cfg.tiers.l2.prefetch_fraction * self.ctl.host.allocator(FULL).total)
-        n = min(len(hashes) // PAGE_HASH_BYTES, budget - self._reserved_pages)
+        n = min(len(hashes) // PAGE_HASH_BYTES, self.budget_left())
         if n <= 0:
             self.ctl.counters["prefetch_refused_budget"] += 1
             return 0
@@ -168,6 +168,7 @@ class Prefetcher:
         )
         op.pin = self.tree.pin(tail) if tail is not None else None
         self._reserved_pages += n
+        self.running += 1
         self._ops[op.op_id] = op
         while len(self._ops) > self._keep:
             self._ops.popitem(last=False)
@@ -297,10 +298,12 @@ class Prefetcher:
             self.ctl.transfers.free_l2(kind, left)
             op.host[kind] = ids[:0]
         self._reserved_pages -= len(op.hashes)
+        self.running -= 1
         if op.pin is not None and op.pin.active:
             self.tree.unlock(op.pin)
         op.pin = None
         with op.mu:
             if op.state is PrefetchState.RUNNING:
                 op.state = outcome
-        self.ctl.counters[f"prefetches_{outcome.value.lower()}"] += 1
+            final = op.state  # a cancel or timeout that came first decides
+        self.ctl.counters[f"prefetches_{final.value.lower()}"] += 1

@@ -21,7 +21,7 @@ import numpy as np
 from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, ResourceExhausted
-from hicache.keys import split_hashes
+from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, Tier, WritePolicy
 
@@ -214,7 +214,10 @@ class Transfers:
             free = self.free_l1 if tier is Tier.DEVICE else self.free_l2
             for k, ids in result.freed.items():
                 free(k, ids)  # host pages a write-back job holds are parked, not freed
-            self.stats[f"evicted_{tier.name.lower()}_{victim_kind.value}"] += result.evicted_pages
+            # FULL pages are the tier's pages (`evictions_<tier>`); other components' slots
+            # leaving alone are counted apart.
+            suffix = "" if victim_kind is FULL else f"_{victim_kind.value}"
+            self.stats[f"evictions_{tier.name.lower()}{suffix}"] += result.evicted_pages
 
     # ------------------------------------------------------------------ write policies
 
@@ -237,18 +240,20 @@ class Transfers:
         for kind, ids in pages.items():
             self._hold_l2(kind, ids)
 
-        def release(_e: BaseException | None = None) -> None:
+        def release(written: int = 0) -> None:
             with self.ctl._mu:
+                self.stats["backups_l3"] += written
                 for kind, ids in pages.items():
                     self._unhold_l2(kind, ids)
 
         def run() -> None:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
-            self.stats["backups_l3"] += len(hashes) // 16
-            release()
+            release(len(hashes) // PAGE_HASH_BYTES)
 
-        if self.ctl.l3.breaker.is_open or not self.backup_worker.submit(Job("write-back", run, release)):
-            self.stats["backups_dropped"] += len(hashes) // 16
+        if self.ctl.l3.breaker.is_open or not self.backup_worker.submit(
+            Job("write-back", run, lambda _e: release())
+        ):
+            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             for kind, ids in pages.items():  # not parked yet: the eviction frees them now
                 self._unhold_l2(kind, ids)
 
@@ -487,11 +492,11 @@ class Transfers:
         assert l3 is not None
         if id(node) in self._queued_l3:
             return
+        hashes = self.tree.page_hashes(node)
         if l3.breaker.is_open:
-            self.stats["backups_dropped"] += 1
+            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             return
         namespace = self.tree.namespace_of(node)
-        hashes = self.tree.page_hashes(node)
         pages = {
             kind: ids for kind in self.ctl._kinds
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
@@ -500,15 +505,15 @@ class Transfers:
             self._hold_l2(kind, ids)
         self._queued_l3.add(id(node))
 
-        def finish(stored: bool) -> None:
+        def finish(stored: bool, failed: bool = True) -> None:
             with self.ctl._mu:
                 for kind, ids in pages.items():
                     self._unhold_l2(kind, ids)
                 self._queued_l3.discard(id(node))
                 if not stored:
-                    self.stats["backups_l3_failed"] += 1
+                    self.stats["backups_l3_failed"] += int(failed)
                     return
-                self.stats["backups_l3"] += len(hashes) // 16
+                self.stats["backups_l3"] += len(hashes) // PAGE_HASH_BYTES
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
@@ -522,9 +527,8 @@ class Transfers:
             finish(True)
 
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
-            self.stats["backups_dropped"] += 1
-            finish(False)
-            self.stats["backups_l3_failed"] -= 1
+            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            finish(False, failed=False)
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
         l3 = self.ctl.l3

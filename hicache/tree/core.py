@@ -320,14 +320,13 @@ class HiRadixTree:
             stack.extend(node.children.values())
         return out
 
-    def chain_after(self, namespace: str, node: object | None, token_bytes: bytes) -> bytes:
-        """Chained hashes of whole pages of `token_bytes` continuing after `node` (the
-        root of `namespace` when None): the L3 keys of pages beyond the tree."""
+    def chain_prev(self, namespace: str, node: object | None) -> bytes:
+        """The hash the chain of pages after `node` continues from (the root of `namespace`
+        when None): `keys.chain_hashes(chain_prev(...), tokens, ...)` are the L3 keys of
+        pages beyond the tree, computed without the tree (outside the caller's lock)."""
         if isinstance(node, Node) and node.parent is not None:
-            prev = self.page_hashes(node)[-PAGE_HASH_BYTES:]
-        else:
-            prev = chain_seed(namespace, self._model_id, self._kv_dtype)
-        return chain_hashes(prev, token_bytes, self._pb)
+            return self.page_hashes(node)[-PAGE_HASH_BYTES:]
+        return chain_seed(namespace, self._model_id, self._kv_dtype)
 
     def mark_loaded(self, lock: TreeLock) -> None:
         """After a load brought the lock's whole path into L1: inserts with this lock now

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from engine_sim import Engine, toks
 
-from hicache.controller.base import MatchRequest, PrefetchState
+from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
+from hicache.convert import canonical_counters
 from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
@@ -61,6 +62,9 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     assert eng.checked > 0
     again = ctl.match("e1", MatchRequest("", tokens))
     assert again.device_tokens == 24
+    counts, _ = canonical_counters(ctl.stats().counters)  # what the wire and metrics show
+    assert counts["prefetches_done"] == 1 and counts["prefetches_running"] == 0
+    assert counts["evictions_device"] >= 6 and counts["evictions_host"] >= 6
 
 
 def test_write_back_backs_up_only_on_eviction(make) -> None:
@@ -191,7 +195,12 @@ def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
     gate.set()
     assert ctl.prefetcher.worker.drain(10)
     assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.CANCELLED
-    assert ctl.cancel_prefetch(m.prefetch_id) == ctl.prefetch_status(m.prefetch_id).tokens_ready
+    ready = ctl.cancel_prefetch(m.prefetch_id)  # cancelling again: what arrived, unchanged
+    assert ready == ctl.prefetch_status(m.prefetch_id).tokens_ready
+    assert ctl.prefetcher._reserved_pages == 0  # the rest of the reservation went back
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) * 4 >= ready  # what arrived stays in L2
+    counts, _ = canonical_counters(ctl.stats().counters)
+    assert (counts["prefetches_cancelled"], counts["prefetches_done"], counts["prefetches_running"]) == (1, 0, 0)
 
 
 def test_bad_handles_and_inputs(make) -> None:
@@ -204,6 +213,12 @@ def test_bad_handles_and_inputs(make) -> None:
         ctl.release("e1", None, m.allocation_id)
     with pytest.raises(InvalidArgument, match="multiple of 4"):
         ctl.match("e1", MatchRequest("", b"abc"))
+    limit = ctl.cfg.server.max_tokens_per_request
+    with pytest.raises(InvalidArgument, match=rf"allocate_tokens: {limit + 1} must be in \[0, {limit}\]"):
+        ctl.match("e1", MatchRequest("", seq(1), lock=True, allocate_tokens=limit + 1))
+    with pytest.raises(InvalidArgument, match=rf"num_tokens: {limit + 1} must be in \[1, {limit}\]"):
+        ctl.allocate("e1", AllocateRequest("", limit + 1))
+    assert ctl.device.allocator(FULL).free_count + 2 == ctl.device.allocator(FULL).total  # nothing taken
     from hicache.errors import FailedPrecondition
 
     with pytest.raises(FailedPrecondition, match="not attached"):
