@@ -33,6 +33,18 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 BeforeDrop = Callable[[Victim], None]
 
 
+def _common_ancestor(a: Node | None, b: Node | None) -> Node | None:
+    """The deepest node on both paths (None when either is None or the roots differ)."""
+    while a is not b:
+        if a is None or b is None:
+            return None
+        if a.depth >= b.depth:
+            a = a.parent
+        else:
+            b = b.parent
+    return a
+
+
 class _RootInfo:
     __slots__ = ("namespace", "seed")
 
@@ -869,14 +881,18 @@ class HiRadixTree:
             return  # closed (and maybe reopened) since this request matched
         old = session.end
         session.end = end
+        # A session's next end usually continues its last one: the shared prefix keeps
+        # its references, only the two branches below their common ancestor change.
+        shared = _common_ancestor(old, end)
         if end is not None:
-            self._session_refs(end, +1)
+            self._session_refs(end, +1, shared)
         if old is not None:
-            self._session_refs(old, -1)
+            self._session_refs(old, -1, shared)
 
-    def _session_refs(self, end: Node, delta: int) -> None:
+    def _session_refs(self, end: Node, delta: int, stop: Node | None = None) -> None:
+        """Path references of `end` up to (not including) `stop`, and its point slots'."""
         node: Node | None = end
-        while node is not None and node.parent is not None:
+        while node is not stop and node is not None and node.parent is not None:
             for comp in self._path_comps:
                 node.sref[comp.index] += delta
             if delta < 0:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hicache.errors import InvalidArgument, NotFound
+from hicache.keys import chain_hashes
 from hicache.types import EvictionPolicy, Tier
 
 from .helpers import FULL, MAMBA, SWA, ids, make_tree, seq, toks
@@ -78,7 +79,11 @@ def test_namespaces_never_share_pages() -> None:
     assert tree.match("tenant-b", seq(0, 8)).device_tokens == 0
     assert tree.match("", seq(0, 8)).device_tokens == 0
     assert tree.match("tenant-a", seq(0, 8)).device_tokens == 8
-    assert tree.page_hashes(tree.match("tenant-a", seq(0, 8)).path[0]) != b""
+    # Hashes are seeded by the namespace: the same tokens chain differently per tenant,
+    # and the tree's hashes are the chain the controller computes for pages past the tree.
+    hashes = tree.page_hashes(tree.match("tenant-a", seq(0, 8)).path[0])
+    seeded = chain_hashes(tree.chain_prev("tenant-a", None), seq(0, 8), 16)
+    assert hashes == seeded != chain_hashes(tree.chain_prev("tenant-b", None), seq(0, 8), 16)
 
 
 def test_chained_hashes_depend_on_the_whole_prefix_and_survive_splits() -> None:
@@ -92,6 +97,26 @@ def test_chained_hashes_depend_on_the_whole_prefix_and_survive_splits() -> None:
     other.insert("", toks(5, 5, 5, 5) + seq(4, 8), {FULL: ids(1, 2, 3)})
     m2 = other.match("", toks(5, 5, 5, 5) + seq(4, 8))
     assert tree.page_hashes(m.path[-1])[-16:] != other.page_hashes(m2.path[-1])[-16:]
+    # The model id seeds the chain too: the same tokens under another model never share keys.
+    renamed = make_tree(4, model_id="other-model")
+    renamed.insert("", seq(0, 12), {FULL: ids(1, 2, 3)})
+    assert renamed.page_hashes(renamed.match("", seq(0, 12)).path[-1]) != whole
+
+
+def test_a_long_session_moves_only_the_branch_it_grows() -> None:
+    """Each turn of a session continues the last: only the new branch gains a reference,
+    the shared prefix is not touched, and the eviction queues do not grow per turn."""
+    tree = make_tree(4, swa_window=8, mamba=True)
+    tokens, next_id = b"", iter(range(10**6))
+    for turn in range(60):
+        tokens += seq(turn * 8, 8)
+        m = tree.match("", tokens, lock=True, session_id="s")
+        n = len(tokens) // 16 - m.device_tokens // 4
+        pages = {kind: np.array([next(next_id) for _ in range(n)]) for kind in (FULL, SWA)}
+        tree.insert("", tokens, pages, lock=m.lock, mamba_slot=next(next_id))
+        tree.check_integrity()  # references equal the sessions' paths
+    queued = sum(len(q) for row in tree._queues for q in row)
+    assert queued <= 4 * 60, queued  # was ~60 * 60 / 2 when every turn re-queued the path
 
 
 def test_lru_eviction_order_leaf_first_and_locks_hold() -> None:
