@@ -80,10 +80,6 @@ class MemberSpec:
     window_tokens: int
 
     @property
-    def is_sidecar(self) -> bool:
-        return self.name != self.component.value
-
-    @property
     def bytes_per_page(self) -> int:
         return self.layers * self.bytes_per_page_per_layer
 

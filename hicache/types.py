@@ -5,11 +5,6 @@ from __future__ import annotations
 import enum
 from typing import NewType
 
-PageId = NewType("PageId", int)
-LockId = NewType("LockId", int)
-AllocationId = NewType("AllocationId", int)
-PrefetchId = NewType("PrefetchId", int)
-SessionId = NewType("SessionId", str)
 PageHash = NewType("PageHash", bytes)
 
 

@@ -117,9 +117,6 @@ class HiRadixTree:
     def locked_pages(self, tier: Tier, kind: ComponentKind) -> int:
         return self._locked[tier][self._by_kind[kind].index]
 
-    def evictable_pages(self, tier: Tier, kind: ComponentKind) -> int:
-        return self.resident_pages(tier, kind) - self.locked_pages(tier, kind)
-
     @property
     def active_locks(self) -> int:
         return len(self._locks)
@@ -173,7 +170,6 @@ class HiRadixTree:
             device_pages=device_pages,
             lock=tree_lock,
             path=tuple(path[:i2]),
-            tail=path[-1] if path else None,
         )
 
     def _check_tokens(self, tokens: bytes) -> bytes:
@@ -274,12 +270,7 @@ class HiRadixTree:
 
     def lock_path(self, lock: TreeLock) -> tuple[object, ...]:
         """The nodes a lock covers, root first (for the controller's load plan)."""
-        out: list[Node] = []
-        node = lock.end
-        while isinstance(node, Node) and node.parent is not None:
-            out.append(node)
-            node = node.parent
-        return tuple(reversed(out))
+        return self.path_to(lock.end)
 
     def path_to(self, node: object) -> tuple[object, ...]:
         """Nodes from the root (exclusive) down to `node`, root first."""
@@ -605,12 +596,8 @@ class HiRadixTree:
             resident[ci] += n
             res[ci * PAGED_TIERS + tier] = ids
             if ci == FULL_INDEX:
-                parent = node.parent
-                assert parent is not None
-                parent.nres[tier] += 1
-                if parent.parent is not None:
-                    for q in queues[1:]:  # it may now drop data the child covers
-                        q.offer(parent)
+                assert node.parent is not None
+                self._full_arrived(node.parent, tier)
             queues[ci].offer(node)
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
@@ -646,8 +633,6 @@ class HiRadixTree:
         parent = node.parent
         assert parent is not None
         head = Node(node.key[: k * pb], k, parent, self._ncomp)
-        head.root = node.root
-        head.depth = node.depth - (node.npages - k)
         parent.children[node.key[:pb]] = head
         node.key = node.key[k * pb :]
         node.npages -= k
@@ -720,12 +705,8 @@ class HiRadixTree:
         if tier < PAGED_TIERS:
             node.res[ci * PAGED_TIERS + tier] = pages
             queues = self._queues
-            parent = node.parent
-            if ci == FULL_INDEX and parent is not None:
-                parent.nres[tier] += 1
-                if parent.parent is not None:
-                    for q in queues[tier][1:]:  # it may now drop data a child covers
-                        q.offer(parent)
+            if ci == FULL_INDEX and node.parent is not None:
+                self._full_arrived(node.parent, tier)
             # Candidacy changes in this tier, and in another only where the slot is resident
             # there (a second copy makes the other one evictable).
             queues[tier][ci].offer(node)
@@ -734,22 +715,6 @@ class HiRadixTree:
                 for t in range(PAGED_TIERS):
                     if other & (1 << t):
                         queues[t][ci].offer(node)
-
-    def clear_resident(self, node: object, kind: ComponentKind, tier: Tier) -> np.ndarray:
-        """Forget `node`'s `kind` slot in `tier` (e.g. an L3 object found missing) and
-        return its page ids for the caller to free. Clearing FULL clears the node's other
-        slots in that tier too; a node left with no FULL in L1 or L2 is deleted."""
-        assert isinstance(node, Node)
-        comp = self._by_kind[kind]
-        if not node.mask[comp.index] & (1 << tier):
-            raise InvalidArgument(f"{kind.value} slot is not resident in {tier.name}")
-        last_copy = not node.mask[FULL_INDEX] & _PAGED_MASK & ~(1 << tier)
-        if comp.index == FULL_INDEX and tier is not Tier.STORAGE and last_copy and node.children:
-            raise InvalidArgument("cannot clear the last L1/L2 copy of a node that has children")
-        freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
-        self._drop(node, comp, tier, freed)
-        parts = freed[kind]
-        return parts[0] if parts else _EMPTY
 
     def _drop(self, node: Node, comp: Component, tier: int,
               freed: dict[ComponentKind, list[np.ndarray]]) -> None:
@@ -785,6 +750,14 @@ class HiRadixTree:
                         self._locked[Tier.STORAGE][c.index] -= n
                     node.mask[c.index] = 0
             self._delete(node)
+
+    def _full_arrived(self, parent: Node, tier: int) -> None:
+        """A child's FULL slot arrived in `tier`: the parent's other slots may now drop
+        data the child covers (SWA outside the kept window)."""
+        parent.nres[tier] += 1
+        if parent.parent is not None:
+            for q in self._queues[tier][1:]:
+                q.offer(parent)
 
     def _after_full_left(self, parent: Node, tier: int) -> None:
         """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and
@@ -842,7 +815,7 @@ class HiRadixTree:
             queue.compact()
         return EvictResult(
             evicted_pages=evicted,
-            freed={k: np.concatenate(v) if v else _EMPTY for k, v in freed.items()},
+            freed={k: _cat(v) for k, v in freed.items()},
             victims=victims,
         )
 

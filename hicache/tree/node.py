@@ -11,7 +11,6 @@ import numpy as np
 
 # Tiers whose residency carries page ids (DEVICE, HOST); STORAGE is a bit in `mask` only.
 PAGED_TIERS = 2
-ALL_TIERS = 3
 LOW_TIERS = (0b001, 0b011, 0b111)  # tier bits of "this tier or any closer one"
 
 

@@ -44,7 +44,6 @@ class MatchResult:
     device_pages: Mapping[ComponentKind, np.ndarray]
     lock: TreeLock | None
     path: tuple[NodeHandle, ...] = field(repr=False)  # nodes down to the storage boundary
-    tail: NodeHandle | None = field(default=None, repr=False)  # deepest matched node
 
 
 @dataclass(frozen=True)

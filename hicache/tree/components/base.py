@@ -40,26 +40,11 @@ class Component(ABC):
         return node.npages if self.per_page else 1
 
     @abstractmethod
-    def valid(self, path: Sequence[Node], tiers: int) -> list[bool]:
-        """valid[i]: may a request reuse the prefix ending at path[i] using only data in
-        `tiers`? Pure; called at every match. A False entry does not end the walk."""
-
     def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
-        """`valid(path, tiers)[i - 1]` alone (the boundary after path[i-1]). Match asks
-        this deepest-first and stops at the first boundary every component accepts, so
-        components override it with a query that looks at as few nodes as it can."""
-        return self.valid(path[:i], tiers)[i - 1]
-
-    def lock_nodes(self, end: Node) -> list[Node]:
-        """Nodes whose slots of this component a lock at boundary `end` must hold."""
-        if self.path_scoped:
-            out = []
-            node: Node | None = end
-            while node is not None and node.parent is not None:
-                out.append(node)
-                node = node.parent
-            return out
-        return [end]
+        """May a request reuse the prefix ending at path[i-1] (boundary `i`) using only data
+        in `tiers`? Pure. Match asks it deepest-first and stops at the first boundary every
+        component accepts (a rejection moves the boundary up, it does not end the walk), so
+        an answer should look at as few nodes as it can."""
 
     def transfer_nodes(self, path: Sequence[Node], lo: int, hi: int, src: int, dst: int) -> list[Node]:
         """Nodes of path[lo:hi] whose slot must move from tier `src` to `dst` so that the
@@ -89,7 +74,7 @@ class Component(ABC):
 
     def valid_prefix(self, path: Sequence[Node], tiers: int) -> int:
         """How many leading nodes of `path` are valid, for components whose validity is
-        prefix-closed (FULL); others answer through `valid`."""
+        prefix-closed (FULL); others answer through `valid_at`."""
         raise NotImplementedError(f"{type(self).__name__} is not prefix-closed")
 
     def rank_key(self, lfu: bool) -> Callable[[Node], int]:

@@ -14,13 +14,8 @@ FULL_INDEX = 0  # the tree keeps FULL first: it is the topology's backbone
 class FullComponent(Component):
     kind = ComponentKind.FULL
 
-    def valid(self, path: Sequence[Node], tiers: int) -> list[bool]:
-        out = [False] * len(path)
-        for i, node in enumerate(path):
-            if not node.mask[FULL_INDEX] & tiers:
-                break
-            out[i] = True
-        return out
+    def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
+        return self.valid_prefix(path[:i], tiers) == i
 
     def valid_prefix(self, path: Sequence[Node], tiers: int) -> int:
         """How many leading nodes of `path` are valid (FULL validity is prefix-closed)."""

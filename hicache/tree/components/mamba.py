@@ -16,10 +16,6 @@ class MambaComponent(Component):
     per_page = False
     path_scoped = False
 
-    def valid(self, path: Sequence[Node], tiers: int) -> list[bool]:
-        ci = self.index
-        return [bool(node.mask[ci] & tiers) for node in path]
-
     def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
         return bool(path[i - 1].mask[self.index] & tiers)
 

@@ -20,15 +20,6 @@ class SwaComponent(Component):
         super().__init__(index, page_size)
         self.window_pages = -(-window_tokens // page_size)
 
-    def valid(self, path: Sequence[Node], tiers: int) -> list[bool]:
-        ci, window = self.index, self.window_pages
-        out = [False] * len(path)
-        run = 0
-        for i, node in enumerate(path):
-            run = run + node.npages if node.mask[ci] & tiers else 0
-            out[i] = run >= min(window, node.depth)
-        return out
-
     def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
         # Walk up from the boundary only as far as the window reaches.
         ci = self.index
