@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ import numpy as np
 import yaml
 
 from hicache.bench.oracle import KvOracle
+from hicache.bench.services import serving_daemon
 from hicache.controller.base import PrefetchState
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -128,34 +128,9 @@ def _daemon_config(args: argparse.Namespace, overrides: dict[str, Any], tmp: Pat
 def _daemon(cfg: dict[str, Any], tmp: Path) -> Iterator[str]:
     path = tmp / "hicache.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    log = (tmp / "daemon.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", "--config", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT)
     target = cfg["server"]["listen"]
-    try:
-        from hicache.client import Client
-
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"daemon exited ({proc.returncode}): {(tmp / 'daemon.log').read_text()[-2000:]}")
-            try:
-                with Client(target, timeout_s=2, retries=0) as c:
-                    c.wait_ready(1.0)
-                    if c.serving():
-                        break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.1)
+    with serving_daemon(["--config", str(path)], target, tmp / "daemon.log"):
         yield target
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @contextmanager

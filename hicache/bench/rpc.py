@@ -23,8 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -34,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.bench.services import serving_daemon
 from hicache.client import Client, insert_op, match_op
 
 PROMPT_TOKENS = 4096
@@ -160,22 +159,6 @@ def throughput(target: str, processes: int, seconds: float) -> float:
     return total / seconds
 
 
-def start_daemon(socket: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "hicache.cli", "serve", "--listen", f"unix://{socket}",
-           "--set", "metrics.port=0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    with Client(f"unix://{socket}", retries=0, timeout_s=1.0) as probe:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"daemon exited: {proc.stderr.read().decode() if proc.stderr else ''}")
-            try:
-                if probe.serving():
-                    return proc
-            except Exception:
-                time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("daemon did not become ready within 60 s")
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -224,13 +207,10 @@ def run(args: argparse.Namespace) -> int:
         figures = measure(args.target, args)
     else:
         with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
-            socket = Path(tmp) / "bench.sock"
-            proc = start_daemon(socket)
-            try:
-                figures = measure(f"unix://{socket}", args)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
+            target = f"unix://{Path(tmp) / 'bench.sock'}"
+            with serving_daemon(["--listen", target, "--set", "metrics.port=0"], target,
+                                Path(tmp) / "daemon.log"):
+                figures = measure(target, args)
     rows = [("empty call (health Check)", figures["empty_call"]),
             (f"round: MatchPrefix+alloc + Insert, {PROMPT_TOKENS} tokens", figures["round"]),
             (f"round in Batch of {BATCH} (per round)", figures["batched_round"])]

@@ -7,6 +7,7 @@ the real services the same way. Each service is stopped by its own pid, never by
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import IO
 
 READY_TIMEOUT_S = 20.0
@@ -22,6 +25,45 @@ READY_TIMEOUT_S = 20.0
 
 class ServiceError(RuntimeError):
     """A service binary is missing or did not become ready."""
+
+
+@contextlib.contextmanager
+def serving_daemon(args: Sequence[str], target: str, log_path: Path,
+                   timeout_s: float = 60.0) -> Iterator[subprocess.Popen[bytes]]:
+    """`hicache serve *args` as a subprocess logging to `log_path` (never a pipe nobody
+    reads: a chatty daemon would block on it), yielded once it serves on `target`;
+    terminated (killed after 30 s) on exit. Raises RuntimeError with the log's tail when
+    it exits or is not ready within `timeout_s`."""
+    from hicache.client import Client
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "serve", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        with Client(target, retries=0, timeout_s=1.0) as probe:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited ({proc.returncode}): {_tail(log_path)}")
+                try:
+                    if probe.serving():
+                        break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"daemon not ready in {timeout_s:g} s: {_tail(log_path)}") from None
+                time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-2000:]
 
 
 def free_port() -> int:

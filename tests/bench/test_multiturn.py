@@ -54,3 +54,12 @@ def test_compare_shows_the_cliff_without_l3(tmp_path) -> None:
     assert last_l1["hit_rate"] < 0.5 * last_l1["ceiling"]
     assert last_l3["hit_rate"] >= 0.995 * last_l3["ceiling"]
     assert (tmp_path / "mt.png").stat().st_size > 0
+
+
+def test_a_daemon_that_cannot_start_is_reported_with_its_log(tmp_path) -> None:
+    from hicache.bench.services import serving_daemon
+
+    target = f"unix://{tmp_path / 'd.sock'}"
+    with pytest.raises(RuntimeError, match=r"daemon exited \(2\): .*configuration error: no: unknown key"), \
+            serving_daemon(["--listen", target, "--set", "no.such=1"], target, tmp_path / "d.log"):
+        pass

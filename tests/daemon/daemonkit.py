@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hicache.bench.services import free_port as free_port  # the daemon tests take it from here
 from hicache.client import Client
 from hicache.errors import HicacheError
 
@@ -26,10 +26,6 @@ TINY = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tokens(n: int, start: int = 1) -> bytes:
