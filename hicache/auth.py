@@ -35,6 +35,12 @@ class Principal:
     def unrestricted(self) -> bool:
         return ALL_NAMESPACES in self.namespaces
 
+    def require_for(self, request: object) -> None:
+        """`require` the namespace of a request that names one (a call or a Batch op)."""
+        namespace = getattr(request, "namespace", None)
+        if isinstance(namespace, str):
+            self.require(namespace)
+
     def require(self, namespace: str) -> None:
         """Raise `PermissionDenied` unless this caller may use `namespace`."""
         if self.unrestricted or namespace in self.namespaces:

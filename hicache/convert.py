@@ -85,10 +85,6 @@ def tokens_to_bytes(tokens: bytes | np.ndarray | Iterable[int]) -> bytes:
     return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
 
 
-def pages_to_pb(pages: PagesByMember) -> list[pb.MemberPages]:
-    return [pb.MemberPages(member=name, page_ids=ids.tolist()) for name, ids in pages.items()]
-
-
 def add_pages(field: Any, pages: PagesByMember) -> None:
     """`pages` appended to a `repeated MemberPages` field in place (no message copy)."""
     for name, ids in pages.items():
@@ -238,7 +234,7 @@ def match_from_pb(r: pb.MatchPrefixResponse) -> MatchOutcome:
 def load_to_pb(p: LoadProgress) -> pb.LoadProgress:
     msg = pb.LoadProgress(layers_ready=p.layers_ready, layers_total=p.layers_total)
     if p.device_pages is not None:
-        msg.device_pages.extend(pages_to_pb(p.device_pages))
+        add_pages(msg.device_pages, p.device_pages)
     if p.device_tokens is not None:
         msg.device_tokens = p.device_tokens
     return msg
@@ -282,7 +278,9 @@ def allocate_request_from_pb(r: pb.AllocateRequest) -> AllocateRequest:
 
 
 def allocation_to_pb(a: AllocationInfo) -> pb.AllocateResponse:
-    return pb.AllocateResponse(allocation_id=a.allocation_id, pages=pages_to_pb(a.pages))
+    r = pb.AllocateResponse(allocation_id=a.allocation_id)
+    add_pages(r.pages, a.pages)
+    return r
 
 
 def allocation_from_pb(r: pb.AllocateResponse) -> AllocationInfo:

@@ -115,10 +115,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 token = _authorize(auth, request, context)
             yield
         except Exception as exc:
-            status, message = status_of(exc)
+            status, message = op_status(exc, label)
             code = status.name
-            if status is grpc.StatusCode.INTERNAL:
-                log.exception("%s failed unexpectedly", label)
             context.abort(status, message)
         finally:
             if token is not None:
@@ -129,14 +127,12 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
 def _authorize(auth: Authenticator, request: Any, context: grpc.ServicerContext) -> Any:
     principal = auth.authenticate(context.invocation_metadata())  # type: ignore[arg-type]
-    namespace = getattr(request, "namespace", None)
-    if isinstance(namespace, str):
-        principal.require(namespace)
+    principal.require_for(request)
     return set_current_principal(principal)
 
 
 def op_status(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
-    """`status_of` for one op of a Batch: logs unexpected exceptions like a failed call."""
+    """`status_of` for a call or one op of a Batch, logging unexpected exceptions."""
     status, message = status_of(exc)
     if status is grpc.StatusCode.INTERNAL:
         log.error("%s failed unexpectedly", where, exc_info=exc)

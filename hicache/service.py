@@ -140,8 +140,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Batch(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         principal = current_principal()
-        # Per-call work done once: a token allowed every namespace needs no per-op check.
-        require = None if principal.unrestricted else principal.require
+        restricted = not principal.unrestricted  # checked once per call, not per op
         ops = self._ops
         response = pb.BatchResponse()
         add_result = response.results.add
@@ -152,10 +151,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 if kind is None:
                     raise InvalidArgument("empty op: set one of the BatchOp fields")
                 msg = getattr(op, kind)
-                if require is not None:
-                    namespace = getattr(msg, "namespace", None)
-                    if isinstance(namespace, str):
-                        require(namespace)
+                if restricted:
+                    principal.require_for(msg)
                 getattr(result, kind).CopyFrom(ops[kind](engine, msg))
             except Exception as exc:
                 code, message = op_status(exc, f"Batch op {i} ({kind})")

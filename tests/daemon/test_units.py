@@ -48,7 +48,9 @@ def test_pages_round_trip_as_int64_arrays() -> None:
     # Page ids are sint32 on the wire: any pool index, and -1 for an SWA tombstone.
     pages = {"full": np.array([5, 0, 2_000_000_000], dtype=np.int64),
              "swa": np.array([-1, -1, 7], dtype=np.int64), "k_scale": np.array([], dtype=np.int32)}
-    back = convert.pages_from_pb(convert.pages_to_pb(pages))
+    msg = pb.AllocateResponse()
+    convert.add_pages(msg.pages, pages)
+    back = convert.pages_from_pb(msg.pages)
     assert list(back) == ["full", "swa", "k_scale"]
     np.testing.assert_array_equal(back["full"], pages["full"])
     np.testing.assert_array_equal(back["swa"], pages["swa"])
