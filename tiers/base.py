@@ -25,6 +25,7 @@ import numpy.typing as npt
 import torch
 
 from hicache.config import MemberSpec
+from hicache.tiers.storage.integrity import HEADER_BYTES as HEADER_BYTES
 from hicache.types import ComponentKind, HostLayout
 
 PageIds = npt.NDArray[np.integer]
@@ -33,8 +34,8 @@ PageIds = npt.NDArray[np.integer]
 LayerCallback = Callable[[int], None]
 """Called with a layer index once that layer of every family member has been copied."""
 
-HEADER_BYTES = 64
-"""Bytes reserved in front of every `page_first` L2 page slot for the L3 object header."""
+# `HEADER_BYTES` (imported above) is reserved in front of every `page_first` L2 page slot:
+# the L3 object header is written there in place, so the two can never differ.
 
 
 class Allocator(abc.ABC):

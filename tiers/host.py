@@ -31,6 +31,7 @@ from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
 from hicache.tiers.prefault import Prefaulter
+from hicache.tiers.rows import checked_ids
 from hicache.types import ComponentKind, HostLayout
 
 __all__ = [
@@ -182,10 +183,7 @@ class HostBufferPools(MemberTable, HostPools):
         self._require_page_first()
         spec = self.member(member)
         n = self.num_pages(spec.component)
-        ids = np.asarray(page_ids, dtype=np.int64)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n):
-            bad = ids[(ids < 0) | (ids >= n)]
-            raise InvalidArgument(f"l2.{member}: page ids {bad[:8].tolist()} out of range [0, {n})")
+        ids = checked_ids(page_ids, n, f"l2.{member}: page ids")
         slot = self.slot_bytes(spec)
         objects = self._region(spec)[: n * slot].reshape(n, slot)[:, : HEADER_BYTES + spec.bytes_per_page]
         return [objects[i] for i in ids.tolist()]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tierkit import oracle, tiny_config
 
+import hicache.tiers.copy as copy_mod
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import MemberPools
 from hicache.tiers.copy import CpuCopyEngine
@@ -94,8 +95,10 @@ def test_mamba_slots_move_like_pages(
 
 
 def test_large_batches_take_every_plan_and_stay_exact(
-    make_device: Callable[..., ShmDevicePools], make_host: Callable[..., HostBufferPools]
+    make_device: Callable[..., ShmDevicePools], make_host: Callable[..., HostBufferPools],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(copy_mod, "SMALL_COPY_PAGES", 0)  # 16 pages: take the planned paths
     cfg = tiny_config("page_first")
     dev, host = make_device(cfg), make_host(cfg)
     engine = CpuCopyEngine(dev, host)

@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 INVALID_PARAMS = -600
-NO_AVAILABLE_HANDLE = -200
 # Codes that mean the master (or the transport to it) is gone, not a per-key problem.
 UNREACHABLE = frozenset({-900, -901, -1010})
 PROBE_KEY = "hicache-probe/does-not-exist"
