@@ -64,9 +64,6 @@ from hicache.tiers.rows import (
 )
 from hicache.types import ComponentKind
 
-# Pool copies are cut into this many chunks per thread: threads that finish early take more
-# (on a busy machine one thread is often descheduled; equal halves would wait for it).
-CHUNKS_PER_THREAD = 4
 # Target size of one chunk of a large numpy copy. NOTE: measured on 16 KiB rows, chunks of
 # 1 MiB were ~0.6-0.8x a contiguous copy (per-chunk dispatch and GIL hand-offs), 4-8 MiB
 # ~0.9-1.0x; the tail a late thread leaves is at most one chunk.
@@ -146,7 +143,7 @@ class CpuCopyEngine(CopyEngine):
         if n <= SMALL_COPY_PAGES:
             _copy_inline(pairs, src_ids, dst_ids, layers, on_layer)
         else:
-            plan = plan_rows(src_ids, dst_ids, self._threads * CHUNKS_PER_THREAD)
+            plan = plan_rows(src_ids, dst_ids)
             if _torch_form(plan, pairs, on_layer):
                 _torch_copy(plan, pairs, layers, on_layer)
             else:
@@ -273,7 +270,7 @@ def _torch_copy(
     temporary (0.5-0.9x with cache-sized chunks), and `np.take` into strided rows copies the
     whole destination to a temporary and back (0.2x).
     """
-    runs = _merged(plan)
+    runs = plan.runs
     index = torch.from_numpy(plan.src_ids)
     s, d = plan.src_ids, plan.dst_ids
     gather = plan.kind is PlanKind.GATHER
@@ -312,7 +309,7 @@ def _jobs(plan: RowPlan, pairs: Sequence[_MemberPair], layers: int) -> list[_Job
     """The numpy jobs of `plan`, in layer order, each about `CHUNK_BYTES` and never crossing
     a run boundary that its form needs."""
     s, d = plan.src_ids, plan.dst_ids
-    runs = _merged(plan)
+    runs = plan.runs
     jobs: list[_Job] = []
     for layer in range(layers):
         for src, dst in pairs:
@@ -373,7 +370,7 @@ def copy_rows(
 ) -> None:
     """Execute `plan` for one layer of one member (CPU tensors of equal row width), the
     numpy forms split over `pool` (the CUDA engine's host-side rows)."""
-    if not plan.chunks:
+    if not plan.runs:
         return
     src = MemberRows((LayerRows.of(src_rows),), None)
     dst = MemberRows((LayerRows.of(dst_rows),), None)
@@ -383,33 +380,6 @@ def copy_rows(
     futures = [pool.submit(work) for _, work in _jobs(plan, [(src, dst)], 1)]
     for future in futures:
         future.result()
-
-
-def _merged(plan: RowPlan) -> list[tuple[int, int]]:
-    """Chunks glued back into whole runs (each user cuts them to its own sizes)."""
-    out: list[tuple[int, int]] = []
-    s, d = plan.src_ids, plan.dst_ids
-    for a, b in plan.chunks:
-        if out and out[-1][1] == a and _continues(plan.kind, s, d, a):
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _continues(
-    kind: PlanKind, s: npt.NDArray[np.int64], d: npt.NDArray[np.int64], at: int
-) -> bool:
-    """Whether pair `at` continues the run of pair ``at - 1`` on the side(s) `kind` needs."""
-    if kind is PlanKind.STAGED:
-        return True
-    dst_ok = bool(d[at] == d[at - 1] + 1)
-    if kind is PlanKind.GATHER:
-        return dst_ok
-    src_ok = bool(s[at] == s[at - 1] + 1)
-    if kind is PlanKind.SCATTER:
-        return src_ok
-    return dst_ok and src_ok
 
 
 def build_copy_engine(device: DevicePools, host: HostPools, threads: int = 2) -> CopyEngine:

@@ -223,7 +223,7 @@ class CudaCopyEngine(CopyEngine):
         staged = np.arange(n, dtype=np.int64)
         # Rows i of a staging buffer belong to pair i; host side: staging <-> host ids.
         host_plan = (
-            plan_rows(staged, host_ids, 2) if to_host else plan_rows(host_ids, staged, 2)
+            plan_rows(staged, host_ids) if to_host else plan_rows(host_ids, staged)
         )
         # One contiguous run of host pages: DMA straight between staging and the pool.
         direct = n > 0 and bool(np.all(np.diff(host_ids) == 1))

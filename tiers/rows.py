@@ -34,33 +34,24 @@ class PlanKind(enum.Enum):
 
 @dataclass(frozen=True)
 class RowPlan:
-    """How to move rows `src_ids[i] -> dst_ids[i]`; `chunks` are ``(start, stop)`` ranges of
-    the pair index, each inside one run of the side(s) that `kind` needs contiguous."""
+    """How to move rows `src_ids[i] -> dst_ids[i]`; `runs` are ``(start, stop)`` ranges of
+    the pair index, each a whole run of the side(s) that `kind` needs contiguous (the
+    executors cut them to their own chunk sizes)."""
 
     kind: PlanKind
     src_ids: npt.NDArray[np.int64]
     dst_ids: npt.NDArray[np.int64]
-    chunks: tuple[tuple[int, int], ...]
-
-    @property
-    def rows(self) -> int:
-        return int(self.src_ids.size)
+    runs: tuple[tuple[int, int], ...]
 
 
-def plan_rows(
-    src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64], parts: int = 2
-) -> RowPlan:
-    """Choose the copy form for these pairs and cut it into chunks.
-
-    Chunks never cross a run boundary of the side the form needs contiguous, and no
-    chunk is longer than ``ceil(n / parts)``, so `parts` workers get similar shares.
-    """
+def plan_rows(src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]) -> RowPlan:
+    """Choose the copy form for these pairs: the first of RUNS, GATHER, SCATTER whose
+    side(s) break into at most one run per `MIN_RUN` pairs, else STAGED (one run)."""
     n = int(src_ids.size)
     if n == 0:
         return RowPlan(PlanKind.RUNS, src_ids, dst_ids, ())
-    longest = -(-n // max(1, parts))
     if _is_run(src_ids) and _is_run(dst_ids):  # the common case: no per-pair work at all
-        return RowPlan(PlanKind.RUNS, src_ids, dst_ids, _cut(np.array([0, n]), longest))
+        return RowPlan(PlanKind.RUNS, src_ids, dst_ids, ((0, n),))
     src_breaks = np.diff(src_ids) != 1
     dst_breaks = np.diff(dst_ids) != 1
     limit = max(1, n // MIN_RUN)
@@ -74,21 +65,14 @@ def plan_rows(
         if int(candidate_breaks.sum()) + 1 <= limit:
             kind, breaks = candidate, candidate_breaks
             break
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1, [n]))
-    return RowPlan(kind, src_ids, dst_ids, _cut(starts, longest))
+    starts = [0, *(np.flatnonzero(breaks) + 1).tolist(), n]
+    return RowPlan(kind, src_ids, dst_ids, tuple(itertools.pairwise(starts)))
 
 
 def _is_run(ids: npt.NDArray[np.int64]) -> bool:
     """Whether `ids` (non-empty) is ``a, a+1, ..., a+n-1``."""
     n = int(ids.size)
     return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or bool((np.diff(ids) == 1).all()))
-
-
-def _cut(starts: npt.NDArray[np.int64], longest: int) -> tuple[tuple[int, int], ...]:
-    chunks: list[tuple[int, int]] = []
-    for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
-        chunks.extend((lo, min(lo + longest, b)) for lo in range(a, b, longest))
-    return tuple(chunks)
 
 
 def widen(rows: torch.Tensor) -> torch.Tensor:

@@ -120,13 +120,14 @@ def test_large_batches_take_every_plan_and_stay_exact(
     engine.close()
 
 
-def test_plan_chunks_respect_runs_and_split_for_two_workers() -> None:
+def test_plan_runs_are_the_whole_runs_of_the_form() -> None:
     plan = plan_rows(np.arange(40), np.concatenate([np.arange(100, 120), np.arange(0, 20)]))
     assert plan.kind is PlanKind.RUNS
-    assert plan.chunks == ((0, 20), (20, 40))
-    plan = plan_rows(np.arange(10), np.arange(50, 60), parts=2)
-    assert plan.chunks == ((0, 5), (5, 10))
-    assert plan_rows(i64(), i64()).chunks == ()
+    assert plan.runs == ((0, 20), (20, 40))
+    assert plan_rows(np.arange(10), np.arange(50, 60)).runs == ((0, 10),)
+    staged = plan_rows(np.random.default_rng(0).permutation(40), np.random.default_rng(1).permutation(40))
+    assert staged.kind is PlanKind.STAGED and staged.runs == ((0, 40),)
+    assert plan_rows(i64(), i64()).runs == ()
 
 
 def test_rows_are_widened_to_the_widest_dtype() -> None:

@@ -254,9 +254,9 @@ def test_copy_rows_moves_one_layer_exactly(
             staged = np.arange(12)
             before_host, before_staging = host_rows.numpy().copy(), staging.numpy().copy()
             if to_host:
-                copy_mod.copy_rows(plan_rows(staged, host_ids, 2), staging, host_rows, pool)
+                copy_mod.copy_rows(plan_rows(staged, host_ids), staging, host_rows, pool)
                 before_host[host_ids] = before_staging
                 assert np.array_equal(host_rows.numpy(), before_host)
             else:
-                copy_mod.copy_rows(plan_rows(host_ids, staged, 2), host_rows, staging, pool)
+                copy_mod.copy_rows(plan_rows(host_ids, staged), host_rows, staging, pool)
                 assert np.array_equal(staging.numpy(), before_host[host_ids])
