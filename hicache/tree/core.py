@@ -142,8 +142,8 @@ class HiRadixTree:
             node.last_access = tick
             node.hits += 1
         i0 = self._boundary(path, LOW_TIERS[0])
-        i1 = self._boundary(path, LOW_TIERS[1]) if len(path) > i0 else i0
-        i2 = self._boundary(path, LOW_TIERS[2]) if len(path) > i1 else i1
+        i1 = self._boundary(path, LOW_TIERS[1], i0) if len(path) > i0 else i0
+        i2 = self._boundary(path, LOW_TIERS[2], i1) if len(path) > i1 else i1
         d0, d1, d2 = (path[i - 1].depth if i else 0 for i in (i0, i1, i2))
         device_pages = self._device_pages(path, i0)
         tree_lock = None
@@ -213,20 +213,22 @@ class HiRadixTree:
         first = int(diff[0]) if len(diff) else n
         return first // self.page_size
 
-    def _boundary(self, path: Sequence[Node], tiers: int) -> int:
+    def _boundary(self, path: Sequence[Node], tiers: int, known: int = 0) -> int:
         """How many nodes of `path` lie above the deepest boundary every component accepts
-        (deepest first: a rejection moves one boundary up, it does not end the walk)."""
-        n = self.components[FULL_INDEX].valid_prefix(path, tiers)
+        (deepest first: a rejection moves one boundary up, it does not end the walk).
+        `known`: a boundary accepted with fewer tiers, so accepted here too (validity only
+        grows with the tiers allowed): the search stops there."""
+        n = self.components[FULL_INDEX].valid_prefix(path, tiers, known)
         voters = self._voters
         if not voters:
             return n
-        for i in range(n, 0, -1):
+        for i in range(n, known, -1):
             for comp in voters:
                 if not comp.valid_at(path, i, tiers):
                     break
             else:
                 return i
-        return 0
+        return known
 
     def _device_pages(self, path: Sequence[Node], n: int) -> dict[ComponentKind, np.ndarray]:
         out: dict[ComponentKind, np.ndarray] = {}

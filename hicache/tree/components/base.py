@@ -72,9 +72,10 @@ class Component(ABC):
         `tier` (the rest may go); 0 for components whose slots go whole."""
         return 0
 
-    def valid_prefix(self, path: Sequence[Node], tiers: int) -> int:
+    def valid_prefix(self, path: Sequence[Node], tiers: int, start: int = 0) -> int:
         """How many leading nodes of `path` are valid, for components whose validity is
-        prefix-closed (FULL); others answer through `valid_at`."""
+        prefix-closed (FULL), given that the first `start` are; others answer through
+        `valid_at`."""
         raise NotImplementedError(f"{type(self).__name__} is not prefix-closed")
 
     def rank_key(self, lfu: bool) -> Callable[[Node], int]:

@@ -17,10 +17,11 @@ class FullComponent(Component):
     def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
         return self.valid_prefix(path[:i], tiers) == i
 
-    def valid_prefix(self, path: Sequence[Node], tiers: int) -> int:
-        """How many leading nodes of `path` are valid (FULL validity is prefix-closed)."""
-        for i, node in enumerate(path):
-            if not node.mask[FULL_INDEX] & tiers:
+    def valid_prefix(self, path: Sequence[Node], tiers: int, start: int = 0) -> int:
+        """How many leading nodes of `path` are valid (FULL validity is prefix-closed),
+        given that the first `start` are."""
+        for i in range(start, len(path)):
+            if not path[i].mask[FULL_INDEX] & tiers:
                 return i
         return len(path)
 
