@@ -55,7 +55,6 @@ class EngineRegistry:
         self._locks: dict[int, LockRecord] = {}
         self._allocations: dict[int, AllocationRecord] = {}
         self._ids = itertools.count(1)
-        self.expired = 0
         self._lapsed: OrderedDict[str, None] = OrderedDict()  # recently expired engine ids
 
     def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> Engine:
@@ -138,7 +137,6 @@ class EngineRegistry:
             self._lapsed[engine.engine_id] = None
         while len(self._lapsed) > 4096:
             self._lapsed.popitem(last=False)
-        self.expired += len(gone)
         return gone
 
     def take_handles(self, engine: Engine) -> tuple[list[LockRecord], list[AllocationRecord]]:

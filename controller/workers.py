@@ -134,7 +134,6 @@ class Worker:
         self._idle = threading.Condition()
         self._busy = 0
         self.failures = 0
-        self.completed = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -179,7 +178,6 @@ class Worker:
             while True:
                 try:
                     job.run()
-                    self.completed += 1
                     break
                 except BaseException as e:
                     job.attempts += 1

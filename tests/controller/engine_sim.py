@@ -11,7 +11,7 @@ from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchRequest
 from hicache.controller.controller import HybridCacheController
 from hicache.keys import chain_hashes, chain_seed
-from hicache.types import ComponentKind
+from hicache.types import ComponentKind, Tier
 
 MAMBA = ComponentKind.MAMBA
 
@@ -47,6 +47,21 @@ def tiny_config(tmp_path, *, hybrid: bool = False, sidecar: bool = False, backen
 
 def toks(ids) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def seq(n_pages: int, base: int = 0) -> bytes:
+    """`n_pages` pages of 4 tokens (the tiny config's page size) counting from `base`."""
+    return toks(np.arange(base, base + n_pages * 4))
+
+
+def evict_all(ctl, *tiers: Tier) -> None:
+    """Drop every page of every family from `tiers`, after queued copies landed."""
+    assert ctl.transfers.drain(10)  # write-through copies land first
+    with ctl._mu:
+        for tier in tiers:
+            pools = ctl.device if tier is Tier.DEVICE else ctl.host
+            for kind in ctl._kinds:
+                ctl.transfers._evict(tier, kind, pools.allocator(kind).total)
 
 
 class Engine:

@@ -6,9 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
-from engine_sim import Engine, toks
+from engine_sim import Engine, evict_all, seq
 
 from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
 from hicache.convert import canonical_counters
@@ -16,18 +15,6 @@ from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
-
-
-def evict_all(ctl, tier: Tier) -> None:
-    assert ctl.transfers.drain(10)  # write-through copies land first
-    with ctl._mu:
-        for kind in ctl._kinds:
-            pools = ctl.device if tier is Tier.DEVICE else ctl.host
-            ctl.transfers._evict(tier, kind, pools.allocator(kind).total)
-
-
-def seq(n_pages: int, base: int = 0) -> bytes:
-    return toks(np.arange(base, base + n_pages * 4))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])

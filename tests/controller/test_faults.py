@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
-from engine_sim import Engine, tiny_config, toks
+from engine_sim import Engine, evict_all, seq, tiny_config
 
 from hicache.controller.base import MatchRequest
 from hicache.controller.controller import build_controller
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
-
-
-def seq(n_pages: int, base: int) -> bytes:
-    return toks(np.arange(base, base + n_pages * 4))
 
 
 def wait_for(predicate, timeout: float = 15.0) -> bool:
@@ -54,9 +49,7 @@ def _run_outage(ctl, stop, start) -> None:
     eng.request(seq(4, 50_000))
     assert wait_for(lambda: ctl.stats().counters.get("backups_l3", 0) > before), "backups did not resume"
     assert ctl.transfers.drain(30)
-    with ctl._mu:
-        for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
-            ctl.transfers._evict(tier, FULL, pools.allocator(FULL).total)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
     assert wait_for(lambda: ctl.match("e1", MatchRequest("", seq(4, 50_000))).storage_tokens == 16)
     ctl.check_integrity()
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import Engine, tiny_config, toks
+from engine_sim import Engine, evict_all, tiny_config, toks
 
 from hicache.controller.base import (
     L3_OP_BUCKETS,
@@ -22,7 +22,7 @@ from hicache.controller.base import (
 from hicache.controller.controller import build_controller
 from hicache.controller.l3_latency import L3OpRecorder
 from hicache.errors import BackendUnavailable
-from hicache.types import ComponentKind, Tier
+from hicache.types import Tier
 
 OK, UNAVAILABLE, ERROR = L3Outcome.OK, L3Outcome.UNAVAILABLE, L3Outcome.ERROR
 BOUNDS = (0.001, 0.01, 0.1)
@@ -138,11 +138,7 @@ def test_backup_lookup_prefetch_and_probe_are_timed_against_the_file_backend(ctl
     eng = Engine(ctl)
     tokens = toks(np.arange(0, 6 * 4))
     eng.request(tokens)  # L1 -> L2 -> L3 (write through): put
-    assert ctl.transfers.drain(10)
-    assert ctl.transfers.drain(10)
-    with ctl._mu:
-        for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
-            ctl.transfers._evict(tier, ComponentKind.FULL, pools.allocator(ComponentKind.FULL).total)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))  # exists, then get
     assert m.storage_tokens == 24 and m.prefetch_id
     deadline = time.monotonic() + 10

@@ -8,9 +8,8 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
-from engine_sim import Engine, toks
+from engine_sim import Engine, evict_all, seq
 
 from hicache.controller import transfers as transfers_mod
 from hicache.controller.base import MatchRequest
@@ -27,10 +26,6 @@ def make(make):
         return make(**{"storage__backend": "none", "write__l1_to_l2": "write_through", **kw})
 
     return factory
-
-
-def seq(n_pages: int, base: int) -> bytes:
-    return toks(np.arange(base, base + n_pages * 4))
 
 
 def gate_copies(ctl) -> threading.Event:
@@ -57,9 +52,7 @@ def count_copies(ctl) -> list[tuple[ComponentKind, int]]:
 def reload_and_verify(ctl, eng: Engine, prompts: list[bytes]) -> None:
     """Drop every L1 copy, then run each prompt again: its pages load back from L2 and
     `Engine` compares every byte with what was written."""
-    with ctl._mu:
-        for kind in ctl._kinds:
-            ctl.transfers._evict(Tier.DEVICE, kind, ctl.device.allocator(kind).total)
+    evict_all(ctl, Tier.DEVICE)
     for tokens in prompts:
         m = eng.request(tokens)
         assert m.device_tokens == 0 and m.host_tokens == len(tokens) // 4
