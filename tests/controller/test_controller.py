@@ -9,7 +9,7 @@ import time
 import pytest
 from engine_sim import Engine, evict_all, seq
 
-from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
+from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest, PrefetchState
 from hicache.convert import canonical_counters
 from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
@@ -287,3 +287,34 @@ def test_async_write_through_lands_on_a_node_split_meanwhile(make) -> None:
     ctl.check_integrity()
     evict_all(ctl, Tier.DEVICE)
     eng.request(seq(6))  # loads the 6 pages back from L2 and checks every byte
+
+
+def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_session(make) -> None:
+    """Prefill, insert with keep_lock (the MAMBA checkpoint is copied for the request to go
+    on writing), decode growth of the same allocation, final insert, close the session:
+    every page of both boundaries comes back byte for byte, nothing is left held."""
+    ctl = make(hybrid=True, storage__backend="none")
+    eng = Engine(ctl)
+    prompt, full = seq(4), seq(6)
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=24, session_id="s"))
+    assert {len(ids) for name, ids in m.pages.items() if name not in ("mamba", "conv")} == {6}
+    eng.write(m.pages, prompt, 0)
+    out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                         mamba_checkpoint=True, keep_lock=True))
+    assert (out.inserted_tokens, out.reused_tokens) == (16, 0)
+    # Decode growth: two more pages on the same allocation (two were left after the insert).
+    grown = ctl.allocate("e1", AllocateRequest("", 8, allocation_id=m.allocation_id))
+    assert {len(ids) for name, ids in grown.pages.items() if name not in ("mamba", "conv")} == {4}
+    assert grown.pages["mamba"][0] != m.pages["mamba"][0]  # a private copy of the checkpoint
+    eng.write(grown.pages, full, 4)  # the two decoded pages and the state after them
+    out = ctl.insert("e1", InsertRequest("", full, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                         mamba_checkpoint=True))
+    assert (out.inserted_tokens, out.reused_tokens) == (8, 16)
+    assert ctl.heartbeat("e1").locks == 0 and ctl.heartbeat("e1").allocations == 0
+    for tokens, pages in ((full, 6), (prompt, 4)):  # the prompt's checkpoint was not overwritten
+        again = ctl.match("e1", MatchRequest("", tokens, lock=True))
+        assert again.device_tokens == pages * 4
+        eng.verify(again.device_pages, tokens, pages)
+        ctl.release("e1", again.lock_id, None)
+    assert ctl.close_session("s") > 0
+    assert ctl.close_session("s") == 0  # recently closed: a no-op
