@@ -23,6 +23,10 @@ class ComponentKind(enum.Enum):
     SWA = "swa"
     MAMBA = "mamba"
 
+    # Members compare by identity, so identity hashing is consistent, and it runs in C:
+    # Enum's own __hash__ (a Python call) showed up on every page-dict lookup of the tree.
+    __hash__ = object.__hash__
+
 
 class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write_through"

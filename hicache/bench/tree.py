@@ -13,6 +13,7 @@ import gc
 import json
 import time
 import tracemalloc
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ class _Pool:
     """The test engine's page allocator (outside the timers)."""
 
     def __init__(self, pages: int) -> None:
+        self.size = pages
         self.free = list(range(pages - 1, -1, -1))
 
     def take(self, n: int) -> np.ndarray:
@@ -55,7 +57,7 @@ class _Pool:
         return np.array(out[::-1], dtype=np.int64)
 
     def give(self, ids: np.ndarray) -> None:
-        self.free.extend(int(i) for i in ids)
+        self.free.extend(ids.tolist())
 
 
 def _components(spec: str, window: int) -> dict[ComponentKind, int]:
@@ -91,6 +93,13 @@ def run_workload(
     pages = budget_tokens // page_size
     full, swa = _Pool(pages), _Pool(pages)
     mamba = _Pool(max(64, pages // max(1, turn_tokens // page_size)))
+    window_pages = -(-window // page_size)
+    pools = {K.FULL: full, K.SWA: swa, K.MAMBA: mamba}
+
+    def give_back(freed: Mapping[ComponentKind, np.ndarray]) -> None:
+        for kind, ids in freed.items():
+            pools[kind].give(ids)
+
     system = rng.integers(0, 150_000, system_tokens, dtype=np.uint32)
     histories = [system.copy() for _ in range(conversations)]
     match_t: list[float] = []
@@ -110,8 +119,12 @@ def run_workload(
                 m = tree.match("", prompt, lock=True)
                 match_t.append(clock() - t0)
                 need = (len(prompt) // 4) // page_size - m.device_tokens // page_size
+                # Like an SWA engine, the simulated one keeps SWA KV only for the window
+                # at the end of the prompt: pages before it were freed during prefill and
+                # are passed as -1 (the tree records tombstones there).
+                swa_keep = min(need, window_pages)
                 for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
-                    want = 1 if kind is K.MAMBA else need
+                    want = {K.FULL: need, K.SWA: swa_keep, K.MAMBA: 1}[kind]
                     # A component's own eviction first (SWA: out-of-window tombstones,
                     # MAMBA: checkpoints), then whole leaves, which free every slot.
                     for victim_kind in (kind, K.FULL):
@@ -121,22 +134,24 @@ def run_workload(
                         ev = tree.evict(Tier.DEVICE, victim_kind, want - len(pool.free))
                         evict_t.append(clock() - t0)
                         evictions += 1
-                        full.give(ev.freed[K.FULL])
-                        if K.SWA in kinds:
-                            swa.give(ev.freed[K.SWA])
-                        if K.MAMBA in kinds:
-                            mamba.give(ev.freed[K.MAMBA])
+                        give_back(ev.freed)
                 new = {K.FULL: full.take(need)}
                 if K.SWA in kinds:
-                    new[K.SWA] = swa.take(need)
+                    ids = np.full(need, -1, dtype=np.int64)
+                    ids[need - swa_keep :] = swa.take(swa_keep)
+                    new[K.SWA] = ids
                 slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
                 t0 = clock()
                 r = tree.insert("", prompt, new, lock=m.lock, mamba_slot=slot)
                 insert_t.append(clock() - t0)
-                full.give(r.released[K.FULL])
+                give_back(r.released)
     finally:
         gc.enable()
     tree.check_integrity()
+    for kind in kinds:  # every page id is either free or held by the tree: nothing leaked
+        held = tree.resident_pages(Tier.DEVICE, kind)
+        if len(pools[kind].free) + held != pools[kind].size:
+            raise AssertionError(f"{kind.value} pool: {len(pools[kind].free)} free + {held} held != {pools[kind].size}")
     meta, keys = _metadata_bytes(tree)
     cached = tree.resident_pages(Tier.DEVICE, K.FULL)
     return Figures(
@@ -205,11 +220,15 @@ def prompt_growth(page_size: int, spec: str, max_tokens: int = 131072, seed: int
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="runs per configuration, interleaved; each figure is the best round's")
     p.add_argument("--quick", action="store_true", help="fewer configurations (CI smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: {args.rounds} (at least 1)")
     tracemalloc.stop()
     configs = [
         (64, "full", 2_000_000), (64, "full,swa,mamba", 2_000_000),
@@ -223,8 +242,17 @@ def run(args: argparse.Namespace) -> int:
     hdr = (f"{'page':>4} {'components':<15} {'budget':>9} {'match mean/p50/p99 us':>24} "
            f"{'insert mean/p50/p99 us':>24} {'evict mean/p99 us':>18} {'meta B/page':>11} {'keys B/page':>11}")
     print(hdr)
+    # Rounds interleave the configurations, so load from elsewhere on the machine weighs
+    # on FULL and hybrid alike; the round with the lowest match + insert mean is kept.
+    best: dict[tuple[int, str, int], Figures] = {}
+    for _ in range(args.rounds):
+        for page, spec, budget in configs:
+            f = run_workload(page, spec, budget, args.conversations, args.turns)
+            kept = best.get((page, spec, budget))
+            if kept is None or f.match_us_mean + f.insert_us_mean < kept.match_us_mean + kept.insert_us_mean:
+                best[(page, spec, budget)] = f
     for page, spec, budget in configs:
-        f = run_workload(page, spec, budget, args.conversations, args.turns)
+        f = best[(page, spec, budget)]
         rows.append(f)
         print(f"{page:>4} {spec:<15} {budget:>9} "
               f"{f.match_us_mean:8.1f}/{f.match_us_p50:6.1f}/{f.match_us_p99:7.1f} "

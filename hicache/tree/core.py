@@ -9,6 +9,7 @@ node must be split.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -30,6 +31,22 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     if not parts:
         return _EMPTY
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+# Below this many page ids a numpy reduction costs more in call overhead than converting
+# the ids to a list and reducing in Python (a page-64 node holds about 16 ids).
+_SMALL = 32
+
+
+def _min_id(ids: np.ndarray) -> int:
+    return min(ids.tolist()) if len(ids) <= _SMALL else int(ids.min())
+
+
+def _any_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Does some position hold the same id in both (same-length) arrays?"""
+    if len(a) <= _SMALL:
+        return any(map(operator.eq, a.tolist(), b.tolist()))
+    return bool((a == b).any())
 BeforeDrop = Callable[[Victim], None]
 
 
@@ -523,7 +540,7 @@ class HiRadixTree:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
                 )
-            if n and int(arr.min()) < 0:
+            if n and _min_id(arr) < 0:
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
                 gapped.add(comp.index)
@@ -550,15 +567,16 @@ class HiRadixTree:
             ids = arr[off : off + n]
             held = res[ci * PAGED_TIERS + tier]
             if held is not None:
+                if ci not in gapped and not _any_equal(ids, held):
+                    released[ci].append(ids)  # the usual case: freshly computed pages
+                    continue
                 keep = ids != held
                 if ci in gapped:
                     keep &= ids >= 0
-                if keep.all():  # the usual case: freshly computed pages, all handed back
-                    released[ci].append(ids)
-                elif keep.any():
+                if keep.any():
                     released[ci].append(ids[keep])
             elif (ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None) and (
-                ci not in gapped or int(ids.min()) >= 0
+                ci not in gapped or _min_id(ids) >= 0
             ):
                 self._set(node, self.components[ci], tier, ids)
             else:

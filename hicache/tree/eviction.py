@@ -9,6 +9,11 @@ when a session's references drop, which re-queues eagerly. Each pop is O(log n).
 `Node.qmask` has bit (tier * ncomp + ci) set while the slot has an entry queued (or
 parked), so a slot is never queued twice by the same event.
 
+Offers are lazier still: an offer only marks the slot and appends it to a pending list;
+candidacy and rank are evaluated, and the heap pushed, when an eviction next needs the
+queue. Inserts offer several slots per new node (and their parents), most of which stop
+being candidates (a leaf gets a child) before any eviction runs; those cost one append.
+
 Locks are checked at pop time, not tracked by the queue: a locked candidate popped during
 an eviction is parked and goes back into the heap at the next eviction. So unlocking,
 which happens on every node of every request's path, costs the queues nothing.
@@ -22,6 +27,9 @@ from collections.abc import Callable
 
 from hicache.tree.node import Node
 
+# Pending offers drained without an eviction when this many gather.
+_DRAIN_AT = 4096
+
 RankFn = Callable[[Node], int]
 CandidateFn = Callable[[Node], bool]
 
@@ -29,6 +37,7 @@ CandidateFn = Callable[[Node], bool]
 class EvictionQueue:
     def __init__(self, bit: int, rank: RankFn, is_candidate: CandidateFn, is_locked: CandidateFn) -> None:
         self._heap: list[tuple[int, int, Node]] = []
+        self._pending: list[Node] = []
         self._parked: list[Node] = []
         self._seq = itertools.count()
         self._bit = bit
@@ -37,24 +46,53 @@ class EvictionQueue:
         self._is_locked = is_locked
 
     def __len__(self) -> int:
-        return len(self._heap) + len(self._parked)
+        return len(self._heap) + len(self._pending) + len(self._parked)
 
     def unpark(self) -> None:
-        """Put the candidates that were locked at the last eviction back in the heap."""
+        """Put the candidates that were locked at the last eviction back in the heap,
+        with the slots offered since."""
         parked, self._parked = self._parked, []
-        for node in parked:
-            heapq.heappush(self._heap, (self._rank(node), next(self._seq), node))
+        self._pending.extend(parked)
+        self._drain()
 
     def offer(self, node: Node, force: bool = False) -> None:
-        """Queue `node` if it is a candidate and not queued yet (`force`: queue a second
-        entry anyway, for a rank that went down)."""
-        if (node.qmask & self._bit and not force) or not self._is_candidate(node):
+        """Mark `node` for the queue unless it is marked already (`force`: a second entry
+        anyway, for a rank that went down); whether it is a candidate is decided when an
+        eviction drains the pending slots."""
+        bit = self._bit
+        if node.qmask & bit and not force:
             return
-        node.qmask |= self._bit
-        heapq.heappush(self._heap, (self._rank(node), next(self._seq), node))
+        node.qmask |= bit
+        pending = self._pending
+        pending.append(node)
+        if len(pending) >= _DRAIN_AT:
+            self._drain()  # bounded memory where evictions are rare (nodes deleted meanwhile)
+
+    def _drain(self) -> None:
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        bit, rank, is_candidate, seq = self._bit, self._rank, self._is_candidate, self._seq
+        entries = []
+        for node in pending:
+            if not node.qmask & bit:
+                continue  # deleted, or found no candidate by an earlier entry of this drain
+            if is_candidate(node):
+                entries.append((rank(node), next(seq), node))
+            else:
+                node.qmask &= ~bit
+        heap = self._heap
+        if len(entries) > len(heap):
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            for entry in entries:
+                heapq.heappush(heap, entry)
 
     def pop(self) -> Node | None:
         """The lowest-ranked current candidate, removed from the queue; None if none."""
+        self._drain()
         heap = self._heap
         while heap:
             rank, _, node = heapq.heappop(heap)
