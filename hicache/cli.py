@@ -135,7 +135,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return rc
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The whole command line. `benchmarks=False` leaves the benchmarks' own options out:
+    they import their modules (torch among them, seconds of start-up), which `hicache
+    health` run as a Kubernetes exec probe must not pay."""
     p = argparse.ArgumentParser(prog="hicache", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
@@ -170,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     cc.set_defaults(func=_cmd_config_check)
 
     b = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
+    if not benchmarks:
+        return p
     bsub = b.add_subparsers(dest="bench_name", required=True)
     for name, help_text in BENCHMARKS.items():
         bp = bsub.add_parser(name, help=help_text)
@@ -200,9 +205,16 @@ def process_defaults(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand: the first argument that is not an option (the top level has only
+    flags, no option takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     process_defaults(os.environ)
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(benchmarks=_command_of(argv) in ("bench", None)).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -24,11 +24,10 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
@@ -51,6 +50,9 @@ from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service import ENGINE_HEADER
 from hicache.tiers.storage.base import BackendHealth
+
+if TYPE_CHECKING:  # torch costs seconds to import; the probe path never maps pools
+    import torch
 
 log = logging.getLogger("hicache.client")
 

@@ -42,3 +42,26 @@ def test_process_defaults_set_passive_openmp_wait_unless_the_operator_chose() ->
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_probe_commands_do_not_import_torch(tmp_path) -> None:
+    """`hicache health` runs as a Kubernetes exec probe: importing torch (the benchmarks,
+    pool mapping) would cost seconds of a probe's timeout. Unreachable daemon: exit 2."""
+    script = (
+        "import sys\nfrom hicache import cli\n"
+        f"rc = cli.main(['health', '--target', 'unix://{tmp_path}/none.sock'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "sys.exit(rc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "torch imported" not in out.stderr
+
+
+def test_bench_options_are_there_when_the_command_is_bench() -> None:
+    from hicache.cli import _command_of, build_parser
+
+    assert _command_of(["-v", "bench", "tree"]) == "bench"
+    assert _command_of(["health", "--json"]) == "health"
+    args = build_parser().parse_args(["bench", "tree", "--rounds", "2"])
+    assert args.rounds == 2

@@ -19,14 +19,17 @@ import abc
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from hicache.config import MemberSpec
 from hicache.tiers.storage.integrity import HEADER_BYTES as HEADER_BYTES
 from hicache.types import ComponentKind, HostLayout
+
+if TYPE_CHECKING:  # annotations only: clients of these contracts (the probe CLI) skip torch
+    import torch
 
 PageIds = npt.NDArray[np.integer]
 """A batch of page ids: a 1-D numpy array of any integer dtype (int32 or int64 in practice)."""
