@@ -81,7 +81,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_health(args: argparse.Namespace) -> int:
     from hicache.ops import health_report
 
-    report, rc = health_report(_target(args), args.deep, _token(args))
+    report, rc = health_report(_target(args), args.deep, _token(args), _ca(args))
     print(json.dumps(report, indent=2) if args.json else _render_health(report))
     return rc
 
@@ -102,7 +102,7 @@ def _render_health(report: dict[str, Any]) -> str:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from hicache.ops import stats_report
 
-    report, rc = stats_report(_target(args), _token(args))
+    report, rc = stats_report(_target(args), _token(args), _ca(args))
     if args.json or rc:
         print(json.dumps(report, indent=2))
         return rc
@@ -120,6 +120,19 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _target(args: argparse.Namespace) -> str:
     return args.target or load_config(args.config).server.listen
+
+
+def _ca(args: argparse.Namespace) -> bytes | None:
+    """Root certificates for a TLS daemon: --ca-file, else (the target taken from a
+    config that serves TLS) that config's own certificate, which a self-signed daemon
+    needs; None leaves the system's roots (or plaintext where TLS is not used)."""
+    path = args.ca_file
+    if path is None and args.target is None:
+        path = load_config(args.config).server.tls_cert
+    if path is None:
+        return None
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -159,6 +172,8 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         h.add_argument("--target", help="unix:///path or host:port (default: server.listen)")
         h.add_argument("--config", help="hicache.yaml whose server.listen is the default target")
         h.add_argument("--token-file", help="file holding a bearer token (TCP with tokens)")
+        h.add_argument("--ca-file", help="PEM root certificates of a TLS daemon (default: with "
+                       "--config, its server.tls_cert; else the system's)")
         h.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "health":
             h.add_argument("--deep", action="store_true",
@@ -228,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HicacheError as e:
         print(f"hicache: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a file named on the command line or in the config
+        print(f"hicache: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.endpoint import parse_address
-from hicache.errors import HicacheError
+from hicache.errors import HicacheError, InvalidArgument
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
@@ -93,15 +93,23 @@ class Client:
         engine_id: str | None = None,
         token: str | None = None,
         root_certificates: bytes | None = None,
+        tls: bool | None = None,
         timeout_s: float = 30.0,
         retries: int = 3,
     ) -> None:
+        """`tls`: None picks what the daemon does: TLS on a non-loopback TCP address (the
+        daemon refuses plaintext there) or whenever `root_certificates` (PEM) are given,
+        plaintext otherwise; True/False force it. A unix socket is never TLS."""
         endpoint = parse_address(target)
+        if tls is None:
+            tls = root_certificates is not None or not (endpoint.is_unix or endpoint.is_loopback)
+        if tls and endpoint.is_unix:
+            raise InvalidArgument(f"{target}: TLS is for TCP addresses; a unix socket is never TLS")
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
         self.timeout_s = timeout_s
         self.retries = retries
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-        if root_certificates is not None or (not endpoint.is_unix and token and not endpoint.is_loopback):
+        if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(endpoint.target, creds, options=options)
         else:

@@ -16,14 +16,16 @@ EXIT_OK, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
 PROBE_TIMEOUT_S = 5.0
 
 
-def _client(target: str, token: str | None) -> Client:
-    return Client(target, token=token, timeout_s=PROBE_TIMEOUT_S, retries=0)
+def _client(target: str, token: str | None, ca: bytes | None) -> Client:
+    return Client(target, token=token, root_certificates=ca, timeout_s=PROBE_TIMEOUT_S, retries=0)
 
 
-def health_report(target: str, deep: bool, token: str | None = None) -> tuple[dict[str, Any], int]:
+def health_report(target: str, deep: bool, token: str | None = None,
+                  ca: bytes | None = None) -> tuple[dict[str, Any], int]:
+    """`ca`: PEM root certificates of a TLS daemon (None: the system's, for TLS)."""
     report: dict[str, Any] = {"target": target, "reachable": False}
     try:
-        with _client(target, token) as client:
+        with _client(target, token, ca) as client:
             serving = client.serving()
             backends = client.health(deep)
     except Unavailable as e:
@@ -37,9 +39,10 @@ def health_report(target: str, deep: bool, token: str | None = None) -> tuple[di
     return report, EXIT_OK if healthy else EXIT_UNHEALTHY
 
 
-def stats_report(target: str, token: str | None = None) -> tuple[dict[str, Any], int]:
+def stats_report(target: str, token: str | None = None,
+                 ca: bytes | None = None) -> tuple[dict[str, Any], int]:
     try:
-        with _client(target, token) as client:
+        with _client(target, token, ca) as client:
             snap = client.stats()
     except Unavailable as e:
         return {"target": target, "reachable": False, "error": str(e)}, EXIT_UNREACHABLE

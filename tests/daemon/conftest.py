@@ -28,8 +28,9 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """Private daemons (lifecycle tests), killed after the test if still running."""
     made: list[Daemon] = []
 
-    def make(*sets: str, listen: str | None = None, start: bool = True) -> Daemon:
-        d = Daemon(tmp_path, *sets, listen=listen)
+    def make(*sets: str, listen: str | None = None, start: bool = True,
+             ca: bytes | None = None) -> Daemon:
+        d = Daemon(tmp_path, *sets, listen=listen, ca=ca)
         made.append(d)
         return d.start() if start else d
 

@@ -40,8 +40,11 @@ def kv_pattern(seed: int, layer: int, page_bytes: int) -> np.ndarray:
 class Daemon:
     """`hicache serve` as a subprocess on a private socket (or a TCP address)."""
 
-    def __init__(self, workdir: Path, *sets: str, listen: str | None = None) -> None:
+    def __init__(self, workdir: Path, *sets: str, listen: str | None = None,
+                 ca: bytes | None = None) -> None:
+        """`ca`: the PEM root certificate its clients trust (a TLS daemon)."""
         self.workdir = workdir
+        self.ca = ca
         self.socket = workdir / "d.sock"
         self.listen = listen or f"unix://{self.socket}"
         self.sets = (*TINY, *sets)
@@ -68,7 +71,7 @@ class Daemon:
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
-        with Client(self.target, retries=0, timeout_s=1.0) as probe:
+        with Client(self.target, retries=0, timeout_s=1.0, root_certificates=self.ca) as probe:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"daemon exited {self.proc.returncode}:\n{self.log()}")
@@ -80,6 +83,7 @@ class Daemon:
         raise AssertionError(f"daemon not ready in {timeout_s} s:\n{self.log()}")
 
     def client(self, **kwargs: object) -> Client:
+        kwargs.setdefault("root_certificates", self.ca)
         return Client(self.target, **kwargs)  # type: ignore[arg-type]
 
     def log(self) -> str:
