@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.client import Client, insert_op, match_op, release_op
+from hicache.client import Client, allocate_op, close_session_op, insert_op, match_op, release_op
 from hicache.controller.base import InsertOutcome, MatchOutcome
 from hicache.errors import (
     FailedPrecondition,
@@ -106,6 +106,33 @@ def test_batch_runs_every_op_and_reports_the_failing_one(daemon: Daemon) -> None
                         release_op(lock_id=match.lock_id)])
         assert done[0] == InsertOutcome(inserted_tokens=PAGE, reused_tokens=0)
         assert isinstance(done[1], NotFound)
+
+
+def test_decode_growth_and_sessions_through_batch_and_the_allocation_context(daemon: Daemon) -> None:
+    prompt = tokens(3 * PAGE, start=6_000)
+    with daemon.client(engine_id="decoder") as c:
+        c.attach(map_pools=False)
+        with c.allocation(PAGE) as a:  # released on exit: nothing inserted it
+            assert len(a.pages["full"]) == 1
+        with pytest.raises(NotFound, match=f"allocation {a.allocation_id}"):
+            c.release(allocation_id=a.allocation_id)
+
+        # Prefill of the first page within a session, then decode grows the allocation.
+        m = c.match(prompt[: 4 * PAGE], lock=True, allocate_tokens=PAGE, session_id="chat-1")
+        grown, done, closed, unknown, empty = c.batch([
+            allocate_op(2 * PAGE, allocation_id=m.allocation_id),
+            insert_op(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id),
+            close_session_op("chat-1"),
+            close_session_op("never-opened"),
+            close_session_op(""),
+        ])
+        assert len(grown.pages["full"]) == 3  # the first page plus the two grown
+        assert np.array_equal(grown.pages["full"][:1], m.pages["full"])
+        assert done == InsertOutcome(inserted_tokens=3 * PAGE, reused_tokens=0)
+        assert closed >= 1  # the session referenced the inserted path
+        assert isinstance(unknown, NotFound) and "never-opened" in str(unknown)
+        assert isinstance(empty, InvalidArgument) and "session_id" in str(empty)
+        assert c.match(prompt).device_tokens == 3 * PAGE  # closing keeps the data
 
 
 def _malformed_calls(c: Client) -> dict[str, tuple[type[HicacheError], str, object]]:
