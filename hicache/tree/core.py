@@ -101,6 +101,7 @@ class HiRadixTree:
         # Components that vote on boundaries besides FULL; unwindowed ones answer from
         # one node, so they are asked first.
         self._voters = sorted(self._others, key=lambda c: c.window_pages)
+        self._child_sensitive = [c.index for c in self._others if c.child_sensitive]
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
         self._tick = 0
@@ -249,20 +250,23 @@ class HiRadixTree:
 
     def _device_pages(self, path: Sequence[Node], n: int) -> dict[ComponentKind, np.ndarray]:
         out: dict[ComponentKind, np.ndarray] = {}
+        top = path[:n]
         for comp in self.components:
             slot = comp.index * PAGED_TIERS
-            if comp.per_page:
-                if n == 0:
-                    out[comp.kind] = _EMPTY
-                    continue
-                parts: list[np.ndarray] = []
-                for node in path[:n]:
-                    held = node.res[slot]
-                    parts.append(held if held is not None else np.full(node.npages, -1))
-                out[comp.kind] = _cat(parts)
-            else:
+            if not comp.per_page:
                 value = path[n - 1].res[slot] if n else None
                 out[comp.kind] = value if value is not None else _EMPTY
+                continue
+            parts = [node.res[slot] for node in top]
+            if not any(p is None for p in parts):
+                out[comp.kind] = _cat(parts)  # type: ignore[arg-type]
+                continue
+            # Tombstones (SWA outside the window) read as -1: fill in what is held.
+            ids = np.full(top[-1].depth, -1, dtype=np.int64)
+            for node, held in zip(top, parts, strict=True):
+                if held is not None:
+                    ids[node.depth - node.npages : node.depth] = held
+            out[comp.kind] = ids
         return out
 
     # ------------------------------------------------------------------ locks
@@ -618,7 +622,8 @@ class HiRadixTree:
             if ci == FULL_INDEX:
                 assert node.parent is not None
                 self._full_arrived(node.parent, tier)
-            queues[ci].offer(node)
+            if not self.components[ci].child_sensitive:  # a new node has no children
+                queues[ci].offer(node)
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
                           tier: int) -> None:
@@ -776,8 +781,9 @@ class HiRadixTree:
         data the child covers (SWA outside the kept window)."""
         parent.nres[tier] += 1
         if parent.parent is not None:
-            for q in self._queues[tier][1:]:
-                q.offer(parent)
+            queues = self._queues[tier]
+            for ci in self._child_sensitive:
+                queues[ci].offer(parent)
 
     def _after_full_left(self, parent: Node, tier: int) -> None:
         """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and

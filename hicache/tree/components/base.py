@@ -30,6 +30,10 @@ class Component(ABC):
     path_scoped: bool = True
     #: Pages before a boundary whose data reuse needs (SWA's window); 0 = not windowed.
     window_pages: int = 0
+    #: True when whether a slot may be evicted depends on the node's children (SWA goes
+    #: alone only where a child continues the path): a child's arrival re-offers the
+    #: parent, and a new node (no children yet) is not offered.
+    child_sensitive: bool = False
 
     def __init__(self, index: int, page_size: int) -> None:
         self.index = index

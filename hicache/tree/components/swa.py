@@ -15,6 +15,7 @@ from hicache.types import ComponentKind
 
 class SwaComponent(Component):
     kind = ComponentKind.SWA
+    child_sensitive = True
 
     def __init__(self, index: int, page_size: int, window_tokens: int) -> None:
         super().__init__(index, page_size)
