@@ -204,15 +204,19 @@ def match_request_from_pb(r: pb.MatchPrefixRequest, limit: int) -> MatchRequest:
     )
 
 
-def match_to_pb(m: MatchOutcome) -> pb.MatchPrefixResponse:
-    r = pb.MatchPrefixResponse(
-        device_tokens=m.device_tokens,
-        host_tokens=m.host_tokens,
-        storage_tokens=m.storage_tokens,
-        lock_id=m.lock_id,
-        prefetch_id=m.prefetch_id,
-        allocation_id=m.allocation_id,
-    )
+def match_to_pb(m: MatchOutcome, r: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:
+    """`r`: fill this (empty) message in place, e.g. a Batch result's field, instead of a
+    new one that would then be copied there."""
+    if r is None:
+        r = pb.MatchPrefixResponse()
+    else:
+        r.SetInParent()
+    r.device_tokens = m.device_tokens
+    r.host_tokens = m.host_tokens
+    r.storage_tokens = m.storage_tokens
+    r.lock_id = m.lock_id
+    r.prefetch_id = m.prefetch_id
+    r.allocation_id = m.allocation_id
     add_pages(r.device_pages, m.device_pages)
     add_pages(r.pages, m.pages)
     return r
@@ -300,8 +304,14 @@ def insert_request_from_pb(r: pb.InsertRequest, limit: int) -> InsertRequest:
     )
 
 
-def insert_to_pb(o: InsertOutcome) -> pb.InsertResponse:
-    return pb.InsertResponse(inserted_tokens=o.inserted_tokens, reused_tokens=o.reused_tokens)
+def insert_to_pb(o: InsertOutcome, r: pb.InsertResponse | None = None) -> pb.InsertResponse:
+    """`r` as for `match_to_pb`."""
+    if r is None:
+        return pb.InsertResponse(inserted_tokens=o.inserted_tokens, reused_tokens=o.reused_tokens)
+    r.SetInParent()
+    r.inserted_tokens = o.inserted_tokens
+    r.reused_tokens = o.reused_tokens
+    return r
 
 
 def insert_from_pb(r: pb.InsertResponse) -> InsertOutcome:

@@ -35,6 +35,9 @@ ENGINE_HEADER = "x-hicache-engine"
 Op = Callable[[str, Any], Any]
 """One op: (engine_id, request message) -> response message."""
 
+IntoOp = Callable[[str, Any, Any], Any]
+"""A hot op for Batch: (engine_id, request, the result's response field to fill in place)."""
+
 
 def engine_of(context: grpc.ServicerContext) -> str:
     """The caller's engine id from the metadata, "" when it sent none."""
@@ -63,6 +66,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             "close_session": self._close_session,
             "stats": self._stats,
         }
+        # The ops of a typical Batch fill their result in place (no response copy).
+        self._into: dict[str, IntoOp] = {
+            "match_prefix": self._match,
+            "insert": self._insert,
+        }
 
     # ------------------------------------------------------------------ ops
 
@@ -72,9 +80,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return convert.heartbeat_to_pb(self._core.heartbeat(r.engine_id))
 
-    def _match(self, engine: str, r: pb.MatchPrefixRequest) -> pb.MatchPrefixResponse:
+    def _match(self, engine: str, r: pb.MatchPrefixRequest,
+               out: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:
         req = convert.match_request_from_pb(r, self._limit)
-        return convert.match_to_pb(self._core.match(engine, req))
+        return convert.match_to_pb(self._core.match(engine, req), out)
 
     def _prefetch_status(self, _e: str, r: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
         return convert.prefetch_to_pb(self._core.prefetch_status(r.prefetch_id))
@@ -86,9 +95,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         req = convert.allocate_request_from_pb(r)
         return convert.allocation_to_pb(self._core.allocate(engine, req))
 
-    def _insert(self, engine: str, r: pb.InsertRequest) -> pb.InsertResponse:
+    def _insert(self, engine: str, r: pb.InsertRequest,
+                out: pb.InsertResponse | None = None) -> pb.InsertResponse:
         req = convert.insert_request_from_pb(r, self._limit)
-        return convert.insert_to_pb(self._core.insert(engine, req))
+        return convert.insert_to_pb(self._core.insert(engine, req), out)
 
     def _release(self, engine: str, r: pb.ReleaseRequest) -> pb.ReleaseResponse:
         lock_id, allocation_id = convert.release_target(r)
@@ -141,7 +151,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         engine = engine_of(context)
         principal = current_principal()
         restricted = not principal.unrestricted  # checked once per call, not per op
-        ops = self._ops
+        ops, into = self._ops, self._into
         response = pb.BatchResponse()
         add_result = response.results.add
         for i, op in enumerate(request.ops):
@@ -153,7 +163,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 msg = getattr(op, kind)
                 if restricted:
                     principal.require_for(msg)
-                getattr(result, kind).CopyFrom(ops[kind](engine, msg))
+                fill = into.get(kind)
+                if fill is not None:
+                    fill(engine, msg, getattr(result, kind))
+                else:
+                    getattr(result, kind).CopyFrom(ops[kind](engine, msg))
             except Exception as exc:
                 code, message = op_status(exc, f"Batch op {i} ({kind})")
                 result.status.code = code.value[0]

@@ -57,6 +57,23 @@ def test_pages_round_trip_as_int64_arrays() -> None:
     assert back["k_scale"].dtype == np.int64 and back["k_scale"].size == 0
 
 
+def test_batch_results_are_filled_in_place_even_when_every_field_is_zero() -> None:
+    from hicache.controller.base import InsertOutcome, MatchOutcome
+
+    result = pb.BatchResponse().results.add()
+    convert.insert_to_pb(InsertOutcome(inserted_tokens=0, reused_tokens=0), result.insert)
+    assert result.WhichOneof("result") == "insert"
+    miss = MatchOutcome(device_tokens=0, host_tokens=0, storage_tokens=0, device_pages={},
+                        lock_id=0, prefetch_id=0, allocation_id=0, pages={})
+    result = pb.BatchResponse().results.add()
+    convert.match_to_pb(miss, result.match_prefix)
+    assert result.WhichOneof("result") == "match_prefix"
+    hit = MatchOutcome(device_tokens=128, host_tokens=64, storage_tokens=0,
+                       device_pages={"full": np.array([3, 4])}, lock_id=9, prefetch_id=0,
+                       allocation_id=2, pages={"full": np.array([5])})
+    assert convert.match_to_pb(hit, pb.MatchPrefixResponse()) == convert.match_to_pb(hit)
+
+
 def test_pool_descriptor_round_trips_every_field() -> None:
     d = PoolDescriptor(member="full", kind=PoolKind.CUDA_IPC, handle=b"\x01" * 64, device=1,
                        num_pages=10, layer_stride_bytes=640, page_stride_bytes=64, layers=3,
