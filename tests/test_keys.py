@@ -46,3 +46,16 @@ def test_chain_hashes_bind_every_earlier_page() -> None:
     other = split_hashes(chain_hashes(seed, bytes(changed), 8 * 4))
     assert len(base) == 4 and all(a != b for a, b in zip(base, other, strict=True))
     assert split_hashes(chain_hashes(chain_seed("ns2", "model", "bfloat16"), tokens, 32))[0] != base[0]
+
+
+def test_chain_hash_format_is_sha256_of_previous_hash_and_page() -> None:
+    """The L3 key format: changing it strands every object stored by other nodes."""
+    prev = chain_seed("ns", "model", "bfloat16")
+    tokens = np.arange(3 * 64, dtype="<u4").tobytes()
+    want = []
+    for i in range(3):
+        prev = hashlib.sha256(prev + tokens[i * 256 : (i + 1) * 256]).digest()[:16]
+        want.append(prev)
+    assert chain_hashes(chain_seed("ns", "model", "bfloat16"), tokens, 256) == b"".join(want)
+    # A partial last page is not hashed.
+    assert chain_hashes(want[0], tokens[256:] + b"\x00" * 7, 256) == b"".join(want[1:])
