@@ -211,7 +211,9 @@ class HybridCacheController(CacheService):
             self.counters["hit_tokens_storage"] += storage_tokens
             if (req.prefetch and beyond and m.lock is not None
                     and storage_tokens >= self.cfg.prefetch.threshold_tokens):
-                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base, beyond)
+                in_l1 = m.device_tokens == self.tree.depth_tokens(base)
+                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base, beyond,
+                                                       to_l1=in_l1)
                 if prefetch_id:
                     self._prefetch_of_lock[lock_id] = prefetch_id
             if req.allocate_tokens is not None:

@@ -5,6 +5,12 @@ page families in batches on the prefetch worker, and commits each batch to the t
 host-resident right away, so what arrived is usable even if the op then times out or is
 cancelled. `tokens_ready` only grows, page-aligned, always a prefix. Unused reserved
 pages always go back, whatever the outcome.
+
+When the request's matched prefix is in L1 and L1 has free pages, each committed batch
+is also copied on to L1 (on the `prefetch-to-l1` worker, while the next batch is read),
+so the request's load finds its pages there. Only free L1 pages are taken, never by
+evicting; the first batch that does not fit stops it, so L1 holds a prefix. The op
+finishes (and releases its pin) only after those copies landed.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache.controller.base import PrefetchInfo, PrefetchState
+from hicache.controller.transfers import L1Move
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
@@ -51,6 +58,10 @@ class PrefetchOp:
     mu: threading.Lock = field(default_factory=threading.Lock)
     page_size: int = 1
     pin: TreeLock | None = None  # holds the path the next batch continues
+    to_l1: bool = False  # also copy committed batches into free L1 pages
+    l1_moves: list[list[L1Move]] = field(default_factory=list)  # copies in flight (mutex)
+    l1_pending: int = 0  # copies not landed yet (under l1_cond)
+    l1_cond: threading.Condition = field(default_factory=threading.Condition)
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -75,6 +86,7 @@ class Prefetcher:
         self.ctl = ctl
         self.tree = ctl.tree
         self.worker = Worker("prefetch", capacity=256, retries=0)  # not idempotent: no retry
+        self.l1_worker = Worker("prefetch-to-l1", capacity=256, retries=0)
         self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep_finished
@@ -83,9 +95,11 @@ class Prefetcher:
 
     def start(self) -> None:
         self.worker.start()
+        self.l1_worker.start()
 
     def close(self) -> None:
         self.worker.close()
+        self.l1_worker.close()
 
     def get(self, op_id: int) -> PrefetchOp | None:
         with self.ctl._mu:
@@ -103,6 +117,11 @@ class Prefetcher:
             if ids is not None and len(ids):
                 out.append(ids[ids >= 0])
         return out
+
+    def reserved_l1(self, kind: ComponentKind) -> list[np.ndarray]:
+        """L1 pages of copies to L1 in flight (caller holds the mutex)."""
+        return [dev for op in self._ops.values() for moves in op.l1_moves
+                for _, k, _, dev in moves if k is kind]
 
     def l3_run(self, namespace: str, hashes: bytes, limit: int | None = None) -> int:
         """The deepest page boundary beyond the tree (at most `limit` pages) that L3 can
@@ -133,9 +152,11 @@ class Prefetcher:
                 return b
         return 0
 
-    def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes) -> int:
-        """Reserve host pages and queue the reads (caller holds the mutex). Returns 0 when
-        nothing could be reserved."""
+    def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes,
+                 to_l1: bool = False) -> int:
+        """Reserve host pages and queue the reads (caller holds the mutex); `to_l1`: the
+        path down to `tail` is in L1, so arriving batches may follow it there. Returns 0
+        when nothing could be reserved."""
         cfg = self.ctl.cfg
         ps = cfg.model.page_size
         n = min(len(hashes) // PAGE_HASH_BYTES, self.budget_left())
@@ -165,6 +186,7 @@ class Prefetcher:
             host=host,
             deadline=deadline,
             page_size=ps,
+            to_l1=to_l1,
         )
         op.pin = self.tree.pin(tail) if tail is not None else None
         self._reserved_pages += n
@@ -219,7 +241,10 @@ class Prefetcher:
                         got -= 1  # no checkpoint at the end: the boundary stops a page earlier
                         last = False
                 if got > 0:
-                    self._commit(op, done, done + got, with_checkpoint=last)
+                    moves = self._commit(op, done, done + got, with_checkpoint=last)
+                    if moves:
+                        final = done + got == total or done + got < hi
+                        self._copy_to_l1(op, moves, inline=final)
                 if done + got < hi or got <= 0:
                     outcome = PrefetchState.FAILED if done + got < total else PrefetchState.DONE
                     done += max(0, got)
@@ -229,8 +254,9 @@ class Prefetcher:
             outcome = PrefetchState.FAILED
         self._finish(op, outcome)
 
-    def _commit(self, op: PrefetchOp, lo: int, hi: int, with_checkpoint: bool) -> None:
-        """Pages [lo, hi) arrived: make them host-resident in the tree, then visible."""
+    def _commit(self, op: PrefetchOp, lo: int, hi: int, with_checkpoint: bool) -> list[L1Move]:
+        """Pages [lo, hi) arrived: make them host-resident in the tree, then visible.
+        Returns the copies to L1 this batch takes (registered with the op), if any."""
         ps4 = op.page_size * 4
         with self.ctl._mu:
             tokens = op.tokens[: (op.start_page + hi) * ps4]
@@ -255,6 +281,69 @@ class Prefetcher:
                     op.host[kind][lo:hi] = -1  # owned by the tree (or freed) now
             with op.mu:
                 op.pages_ready = hi
+            if op.to_l1 and end is not None:
+                return self._plan_to_l1(op, end, (op.start_page + lo) * op.page_size)
+            return []
+
+    def _plan_to_l1(self, op: PrefetchOp, end: object, first_token: int) -> list[L1Move]:
+        """Caller holds the mutex. Reserve free L1 pages for the nodes just committed
+        (those below `first_token` on the path to `end`); the first batch without room
+        stops it for the rest of the op."""
+        tree = self.tree
+        nodes: list[object] = []
+        node: object | None = end
+        while node is not None and tree.depth_tokens(tree.parent_of(node)) >= first_token:
+            nodes.append(node)
+            node = tree.parent_of(node)
+        moves = self.ctl.transfers.plan_to_free_l1(nodes[::-1])
+        if moves is None:
+            op.to_l1 = False
+            self.ctl.counters["prefetch_to_l1_no_room"] += 1
+            return []
+        if moves:
+            op.l1_moves.append(moves)
+            with op.l1_cond:
+                op.l1_pending += 1
+        return moves
+
+    def _copy_to_l1(self, op: PrefetchOp, moves: list[L1Move], inline: bool) -> None:
+        """Copy and land `moves`: on the L1 worker while the next batch is read, or here
+        (the last batch: nothing left to overlap with)."""
+        if inline:
+            try:
+                self.ctl.transfers.copy_to_l1(moves)
+            except Exception:
+                log.exception("prefetch %d: copy to L1 failed", op.op_id)
+                self._l1_done(op, moves, copied=False)
+                return
+            self._l1_done(op, moves, copied=True)
+            return
+
+        def run() -> None:
+            self.ctl.transfers.copy_to_l1(moves)  # raises: the worker gives up, nothing lands
+            self._l1_done(op, moves, copied=True)
+
+        job = Job(f"prefetch-{op.op_id}-to-l1", run, lambda _e: self._l1_done(op, moves, copied=False))
+        if not self.l1_worker.submit(job):
+            self._l1_done(op, moves, copied=False)
+
+    def _l1_done(self, op: PrefetchOp, moves: list[L1Move], copied: bool) -> None:
+        """Land (or, not copied, free) a copy to L1, exactly once."""
+        with self.ctl._mu:
+            if not any(m is moves for m in op.l1_moves):
+                return
+            op.l1_moves = [m for m in op.l1_moves if m is not moves]
+            try:
+                if copied:
+                    self.ctl.counters["prefetch_pages_to_l1"] += self.ctl.transfers.land_in_l1(moves)
+                else:
+                    for _, kind, _, dev in moves:
+                        self.ctl.transfers.free_l1(kind, dev)
+                    self.ctl.counters["prefetch_to_l1_failed"] += 1
+            finally:
+                with op.l1_cond:
+                    op.l1_pending -= 1
+                    op.l1_cond.notify_all()
 
     def _mark_in_storage(self, op: PrefetchOp, end: object | None, lo: int, hi: int,
                          checkpoint: bool) -> None:
@@ -289,6 +378,10 @@ class Prefetcher:
             self.tree.set_resident(node, kind, Tier.STORAGE)
 
     def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
+        # Copies to L1 read host pages that the op's pin keeps in place: they land first.
+        with op.l1_cond:
+            while op.l1_pending:
+                op.l1_cond.wait()
         with self.ctl._mu:
             self._finish_locked(op, outcome)
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from hicache.types import ComponentKind, Tier, WritePolicy
 if TYPE_CHECKING:
     from hicache.controller.controller import HybridCacheController
     from hicache.controller.engines import EngineRegistry
-    from hicache.tiers.base import CopyEngine
+    from hicache.tiers.base import CopyEngine, LayerCallback
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
@@ -40,13 +41,15 @@ EVICT_AHEAD_DIVISOR = 64
 # NOTE: the CPU copy engine copies up to 64 pages inline; larger copies go to its helper
 # threads, which contend for the GIL with the serving threads.
 FLUSH_PAGES = 64
+LOAD_THREADS = 4  # loads copying at once (more wait for a thread, streaming nothing yet)
+L1Move = tuple[object, ComponentKind, np.ndarray, np.ndarray]  # node, kind, L2 pages, L1 pages
 
 
 @dataclass
 class LoadOp:
     """Host -> device copies of one lock's path, with per-layer progress."""
 
-    moves: list[tuple[object, ComponentKind, np.ndarray, np.ndarray]]  # node, kind, host, dev
+    moves: list[L1Move]
     layers_total: int
     layers_ready: int = 0
     done: bool = False
@@ -83,6 +86,9 @@ class Transfers:
         self.backup_worker = Worker("backup", capacity=4096, retries=5, backoff_s=0.2)
         # L1->L2 copies are local and fast: their own worker, never behind slow L3 writes.
         self.copy_worker = Worker("l1-to-l2", capacity=4096, retries=0)
+        # Loads copy on long-lived threads: a fresh thread per load cost ~0.7 ms (torch's
+        # per-thread set-up). Each load's caller streams its layers as they land.
+        self._load_threads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="hicache-load")
         # Host pages an L3 write is reading: freeing one parks it until the write is done.
         self._held_l2: dict[ComponentKind, Counter[int]] = {}
         self._parked_l2: dict[ComponentKind, list[int]] = {}
@@ -115,6 +121,7 @@ class Transfers:
     def close(self) -> None:
         self.copy_worker.close()
         self.backup_worker.close()
+        self._load_threads.shutdown(wait=True)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued copy (L1->L2, then L2->L3) has landed."""
@@ -545,16 +552,11 @@ class Transfers:
 
     def plan_load(self, lock: TreeLock) -> LoadOp:
         """Reserve L1 pages for every slot of the lock's path that only L2 holds."""
-        path = self.tree.lock_path(lock)
-        moves: list[tuple[object, ComponentKind, np.ndarray, np.ndarray]] = []
-        comps = {c.kind: c for c in self.tree.components}
+        wanted = self._wanted_in_l1(self.tree.lock_path(lock))
+        moves: list[L1Move] = []
         try:
-            for kind in self.ctl._kinds:
-                nodes = comps[kind].transfer_nodes(path, 0, len(path), Tier.HOST, Tier.DEVICE)  # type: ignore[arg-type]
-                for node in nodes:
-                    host_ids = self.tree.pages_of(node, kind, Tier.HOST)
-                    assert host_ids is not None
-                    moves.append((node, kind, host_ids, self.allocate_l1(kind, len(host_ids))))
+            for node, kind, host_ids in wanted:
+                moves.append((node, kind, host_ids, self.allocate_l1(kind, len(host_ids))))
         except ResourceExhausted:
             for _, kind, _, dev in moves:
                 self.free_l1(kind, dev)
@@ -562,19 +564,109 @@ class Transfers:
         layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
         return LoadOp(moves, layers)
 
+    def plan_to_free_l1(self, nodes: list[object]) -> list[L1Move] | None:
+        """Caller holds the mutex. Like `plan_load` for `nodes` (root first), but only
+        from free L1 pages, never evicting: None when they do not all fit."""
+        wanted = self._wanted_in_l1(nodes)
+        need: dict[ComponentKind, int] = {}
+        for _, kind, host_ids in wanted:
+            need[kind] = need.get(kind, 0) + len(host_ids)
+        allocators = self._allocators[Tier.DEVICE]
+        if any(allocators[kind].free_count < n for kind, n in need.items()):
+            return None
+        got = {kind: allocators[kind].allocate(n) for kind, n in need.items()}
+        used = dict.fromkeys(got, 0)
+        moves: list[L1Move] = []
+        for node, kind, host_ids in wanted:
+            lo = used[kind]
+            used[kind] = lo + len(host_ids)
+            moves.append((node, kind, host_ids, got[kind][lo : used[kind]]))
+        return moves
+
+    def _wanted_in_l1(self, nodes: tuple[object, ...] | list[object]) -> list[tuple[object, ComponentKind, np.ndarray]]:
+        """(node, kind, L2 pages) of each slot that must move up so that the boundary at
+        the end of `nodes` is valid in L1, by component (FULL first)."""
+        comps = {c.kind: c for c in self.tree.components}
+        out: list[tuple[object, ComponentKind, np.ndarray]] = []
+        for kind in self.ctl._kinds:
+            for node in comps[kind].transfer_nodes(nodes, 0, len(nodes), Tier.HOST, Tier.DEVICE):  # type: ignore[arg-type]
+                host_ids = self.tree.pages_of(node, kind, Tier.HOST)
+                assert host_ids is not None
+                out.append((node, kind, host_ids))
+        return out
+
+    def copy_to_l1(self, moves: list[L1Move], on_layer: LayerCallback | None = None) -> None:
+        """Copy the moves (no mutex: their nodes are locked, their L1 pages reserved), one
+        engine call per family; small families first, FULL last reports `on_layer`."""
+        by_kind: dict[ComponentKind, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for _, kind, host_ids, dev_ids in moves:
+            by_kind.setdefault(kind, []).append((host_ids, dev_ids))
+        for kind in sorted(by_kind, key=lambda k: k is FULL):
+            pairs = by_kind[kind]
+            host = pairs[0][0] if len(pairs) == 1 else np.concatenate([h for h, _ in pairs])
+            dev = pairs[0][1] if len(pairs) == 1 else np.concatenate([d for _, d in pairs])
+            self.copier.host_to_device(kind, host, dev, on_layer=on_layer if kind is FULL else None)
+
+    def land_in_l1(self, moves: list[L1Move]) -> int:
+        """Caller holds the mutex. Copied moves become L1-resident; returns the FULL
+        pages that did. A slot that L1 holds already (a concurrent load or insert got
+        there first), or whose L2 pages are no longer the ones copied, frees its L1 pages.
+        NOTE: a match may have split a node meanwhile; the object is the tail, its new
+        parents hold the head of the copied span."""
+        landed = 0
+        for node, kind, host_ids, dev in sorted(moves, key=lambda m: m[1] is not FULL):
+            if kind is MAMBA or self._pages_in(node) == len(dev):
+                parts = [(node, 0, len(dev))]
+            else:
+                parts = self._span(node, len(dev))
+            for part, lo, hi in parts:
+                there = self.tree.pages_of(part, kind, Tier.HOST) if self.tree.is_live(part) else None
+                if (there is not None and np.array_equal(there, host_ids[lo:hi])
+                        and not self.tree.is_resident(part, kind, Tier.DEVICE)
+                        and (kind is FULL or self.tree.is_resident(part, FULL, Tier.DEVICE))):
+                    self.tree.set_resident(part, kind, Tier.DEVICE, dev[lo:hi])
+                    landed += (hi - lo) if kind is FULL else 0
+                else:
+                    self.free_l1(kind, dev[lo:hi])
+        return landed
+
+    def _pages_in(self, node: object) -> int:
+        tree = self.tree
+        return (tree.depth_tokens(node) - tree.depth_tokens(tree.parent_of(node))) // self.ctl._ps
+
     def run_load(self, op: LoadOp, lock: TreeLock) -> Iterator[LoadProgress]:
+        """Copy, streaming the layers, then land. A caller that stops listening (the
+        engine cancelled the stream) does not stop the copy into the reserved L1 pages:
+        it finishes and lands (or its pages are freed), so nothing leaks."""
+        abandoned = False
+        if op.moves:  # a path in L1 already (e.g. a prefetch brought it) copies nothing
+            try:
+                yield from self._copy_reporting_layers(op)
+            except GeneratorExit:
+                abandoned = True
+                with op.cond:
+                    while not op.done:
+                        op.cond.wait()
+        with self.ctl._mu:
+            if op.error is not None:
+                for _, kind, _, dev in op.moves:
+                    self.free_l1(kind, dev)
+                if abandoned:
+                    return
+                raise op.error
+            self.stats["loaded_pages"] += self.land_in_l1(op.moves)
+            self.tree.mark_loaded(lock)
+            pages = self._path_pages(lock)
+            tokens = self.tree.depth_tokens(lock.end)
+        if not abandoned:
+            yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
+
+    def _copy_reporting_layers(self, op: LoadOp) -> Iterator[LoadProgress]:
+        """Copy on a load thread; yield each layer as it lands (not the last)."""
+
         def work() -> None:
             try:
-                by_kind: dict[ComponentKind, list[tuple[np.ndarray, np.ndarray]]] = {}
-                for _, kind, host_ids, dev_ids in op.moves:
-                    by_kind.setdefault(kind, []).append((host_ids, dev_ids))
-                # Small families first; FULL last drives the per-layer progress.
-                for kind in sorted(by_kind, key=lambda k: k is FULL):
-                    host = np.concatenate([h for h, _ in by_kind[kind]])
-                    dev = np.concatenate([d for _, d in by_kind[kind]])
-                    self.copier.host_to_device(
-                        kind, host, dev, on_layer=op.layer_done if kind is FULL else None
-                    )
+                self.copy_to_l1(op.moves, op.layer_done)
             except BaseException as e:
                 op.error = e
             finally:
@@ -582,8 +674,7 @@ class Transfers:
                     op.done = True
                     op.cond.notify_all()
 
-        thread = threading.Thread(target=work, name="hicache-load", daemon=True)
-        thread.start()
+        running = self._load_threads.submit(work)
         sent = 0
         while True:
             with op.cond:
@@ -597,22 +688,7 @@ class Transfers:
             if ready > sent:
                 sent = ready
                 yield LoadProgress(layers_ready=ready, layers_total=op.layers_total)
-        thread.join()
-        with self.ctl._mu:
-            if op.error is not None:
-                for _, kind, _, dev in op.moves:
-                    self.free_l1(kind, dev)
-                raise op.error
-            for node, kind, _, dev in op.moves:
-                if self.tree.is_resident(node, kind, Tier.DEVICE):
-                    self.free_l1(kind, dev)  # a concurrent insert got there first
-                else:
-                    self.tree.set_resident(node, kind, Tier.DEVICE, dev)
-            self.stats["loaded_pages"] += sum(len(d) for _, k, _, d in op.moves if k is FULL)
-            self.tree.mark_loaded(lock)
-            pages = self._path_pages(lock)
-            tokens = self.tree.depth_tokens(lock.end)
-        yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
+        running.result()  # work() keeps its exception in op.error: this only waits
 
     def _path_pages(self, lock: TreeLock) -> dict[ComponentKind, np.ndarray]:
         path = self.tree.lock_path(lock)
@@ -681,6 +757,7 @@ class Transfers:
                             owned.append(rec.pages[kind])
                         if kind is MAMBA and rec.mamba_slot is not None:
                             owned.append(np.array([rec.mamba_slot]))
+                    owned.extend(self.ctl.prefetcher.reserved_l1(kind))
                 else:
                     owned.extend(self._in_flight.get(kind, []))
                     owned.append(np.array(self._parked_l2.get(kind, []), dtype=np.int64))

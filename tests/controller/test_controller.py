@@ -39,13 +39,15 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
     ctl.release("e1", m.lock_id, None)
     m2 = ctl.match("e1", MatchRequest("", tokens))
-    assert (m2.device_tokens, m2.host_tokens) == (0, 24)
+    # L1 had free pages: each batch followed the (empty) L1 prefix up from L2.
+    assert (m2.device_tokens, m2.host_tokens) == (24, 0)
+    assert ctl.stats().counters["prefetch_pages_to_l1"] == 6
     # What came from L3 is known to be there: write-through does not write it back.
     assert ctl.transfers.drain(10) and ctl.l3.backend.stats().puts == puts
     with ctl._mu:
         path = ctl.tree.match("", tokens).path
     assert path and all(ctl.tree.is_resident(n, FULL, Tier.STORAGE) for n in path)
-    eng.request(tokens + seq(1, 999))  # loads from L2 and verifies every byte
+    eng.request(tokens + seq(1, 999))  # verifies every byte the prefetch brought
     assert eng.checked > 0
     again = ctl.match("e1", MatchRequest("", tokens))
     assert again.device_tokens == 24
@@ -108,6 +110,41 @@ def test_load_reports_layers_before_the_next_is_copied(make) -> None:
     ctl.release("e1", m.lock_id, None)
 
 
+def test_a_load_stream_abandoned_midway_still_lands_and_leaks_nothing(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    evict_all(ctl, Tier.DEVICE)
+    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
+    gate = threading.Event()
+    copier = ctl.transfers.copier
+    original = copier.host_to_device
+
+    def gated(kind, host, dev, on_layer=None):
+        def hook(layer: int) -> None:
+            if on_layer is not None:
+                on_layer(layer)
+            if layer == 0:
+                assert gate.wait(5)
+        return original(kind, host, dev, on_layer=hook)
+
+    copier.host_to_device = gated  # type: ignore[method-assign]
+    stream = ctl.load("e1", m.lock_id)
+    assert next(stream).layers_ready == 1
+    # The engine goes away mid-stream (gRPC closes the generator); the copy into the
+    # reserved L1 pages still finishes, and they land rather than leak.
+    closer = threading.Thread(target=stream.close)
+    closer.start()
+    gate.set()
+    closer.join(5)
+    assert not closer.is_alive()
+    ctl.release("e1", m.lock_id, None)
+    again = ctl.match("e1", MatchRequest("", seq(4)))
+    assert again.device_tokens == 16
+    eng.verify(again.device_pages, seq(4), 4)
+    ctl.check_integrity()
+
+
 @pytest.mark.parametrize(("hybrid", "left"), [(False, 8), (True, 0)])
 def test_sidecar_object_missing_in_l3_is_a_miss_for_the_page(make, hybrid: bool, left: int) -> None:
     """FULL+indexer: pages 0-1 stay reusable. Hybrid: the boundary after page 2 has no
@@ -161,7 +198,8 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
         assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 64  # frozen at the deadline
         ctl.release("e1", m.lock_id, None)
         later = ctl.match("e1", MatchRequest("", tokens))
-        assert later.host_tokens == 128  # late pages were inserted for later requests
+        # Late pages were inserted for later requests (and followed into free L1).
+        assert later.device_tokens == 128
     finally:
         pf.BATCH_PAGES = 256
 

@@ -1,0 +1,145 @@
+"""A prefetch whose request's prefix is in L1 follows it there: each batch that lands in
+L2 is copied on into free L1 pages (never by evicting), so the request's load has nothing
+left to copy. Every page is checked byte for byte; page ownership is audited after each
+test (the `make` fixture)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from engine_sim import Engine, evict_all, seq
+
+import hicache.controller.prefetch as pf
+from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
+from hicache.types import ComponentKind, Tier
+
+FULL = ComponentKind.FULL
+
+
+def _in_l3_only(ctl, eng: Engine, tokens: bytes) -> None:
+    eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+
+
+def _prefetch(ctl, tokens: bytes) -> None:
+    """Match with a prefetch, wait for it to finish, release the lock."""
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.prefetch_id
+    for _ in range(500):
+        if ctl.prefetch_status(m.prefetch_id).state is not PrefetchState.RUNNING:
+            break
+        time.sleep(0.01)
+    assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
+    ctl.release("e1", m.lock_id, None)
+
+
+def _hog_free_l1(ctl) -> int:
+    """An allocation holding every free L1 page; returns its id."""
+    free = ctl.device.allocator(FULL).free_count
+    return ctl.allocate("e1", AllocateRequest("", free * ctl.cfg.model.page_size)).allocation_id
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_batches_follow_into_free_l1_and_the_load_copies_nothing(make, monkeypatch, hybrid) -> None:
+    ctl = make(hybrid=hybrid, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(7)
+    _in_l3_only(ctl, eng, tokens)
+    monkeypatch.setattr(pf, "BATCH_PAGES", 2)  # batches 1-3 go to the L1 worker, the 4th inline
+    _prefetch(ctl, tokens)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert (m.device_tokens, m.host_tokens) == (28, 0)
+    eng.verify(m.device_pages, tokens, 7)
+    *_, last = ctl.load("e1", m.lock_id)  # nothing left to copy
+    assert last.device_tokens == 28
+    ctl.release("e1", m.lock_id, None)
+    counters = ctl.stats().counters
+    assert counters["prefetch_pages_to_l1"] == 7 and counters["loaded_pages"] == 0
+    assert ctl.prefetcher.reserved_l1(FULL) == []
+
+
+def test_without_free_l1_the_prefetch_stays_in_l2_and_the_load_brings_it(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    _in_l3_only(ctl, eng, tokens)
+    hog = _hog_free_l1(ctl)
+    _prefetch(ctl, tokens)
+    counters = ctl.stats().counters
+    assert counters["prefetch_to_l1_no_room"] == 1 and counters.get("prefetch_pages_to_l1", 0) == 0
+    ctl.release("e1", None, hog)
+    m = ctl.match("e1", MatchRequest("", tokens))
+    assert (m.device_tokens, m.host_tokens) == (0, 24)  # nothing was evicted for it either
+    eng.request(tokens + seq(1, 999))  # loads from L2 and verifies every byte
+    assert ctl.stats().counters["loaded_pages"] == 6
+
+
+def test_below_a_prefix_that_only_l2_holds_the_prefetch_stays_in_l2(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    _in_l3_only(ctl, eng, seq(8))
+    hog = _hog_free_l1(ctl)
+    _prefetch(ctl, seq(3))  # pages 0-2 come to L2 only: L1 has no room
+    ctl.release("e1", None, hog)
+    _prefetch(ctl, seq(8))  # L1 has room now, but the prefix above these pages is not there
+    m = ctl.match("e1", MatchRequest("", seq(8)))
+    assert (m.device_tokens, m.host_tokens) == (0, 32)
+    assert ctl.stats().counters.get("prefetch_pages_to_l1", 0) == 0
+    eng.request(seq(8) + seq(1, 999))
+
+
+def test_a_node_split_while_its_copy_to_l1_runs_lands_in_both_halves(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    _in_l3_only(ctl, eng, tokens)
+    copier = ctl.transfers.copier
+    real = copier.host_to_device
+    copying, go = threading.Event(), threading.Event()
+
+    def gated(kind, host, dev, on_layer=None):
+        copying.set()
+        assert go.wait(5)
+        return real(kind, host, dev, on_layer=on_layer)
+
+    copier.host_to_device = gated  # type: ignore[method-assign]
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert copying.wait(5)
+    # A prompt that leaves the path after page 2 splits the 6-page node under the copy.
+    ctl.match("e1", MatchRequest("", seq(2) + seq(1, 999)))
+    with ctl._mu:
+        assert len(ctl.tree.match("", tokens).path) == 2
+    go.set()
+    assert ctl.prefetcher.worker.drain(10)
+    assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
+    ctl.release("e1", m.lock_id, None)
+    copier.host_to_device = real  # type: ignore[method-assign]
+    again = ctl.match("e1", MatchRequest("", tokens))
+    assert (again.device_tokens, again.host_tokens) == (24, 0)
+    eng.verify(again.device_pages, tokens, 6)
+
+
+def test_a_failed_copy_to_l1_frees_its_l1_pages_and_the_pages_stay_in_l2(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    _in_l3_only(ctl, eng, tokens)
+    copier = ctl.transfers.copier
+    real = copier.host_to_device
+
+    def broken(kind, host, dev, on_layer=None):
+        raise RuntimeError("copy engine fault")
+
+    copier.host_to_device = broken  # type: ignore[method-assign]
+    free = ctl.device.allocator(FULL).free_count
+    _prefetch(ctl, tokens)  # the prefetch itself succeeds
+    assert ctl.device.allocator(FULL).free_count == free
+    assert ctl.stats().counters["prefetch_to_l1_failed"] == 1
+    copier.host_to_device = real  # type: ignore[method-assign]
+    m = ctl.match("e1", MatchRequest("", tokens))
+    assert (m.device_tokens, m.host_tokens) == (0, 24)
+    eng.request(tokens + seq(1, 999))  # loads from L2 and verifies every byte
