@@ -9,6 +9,9 @@ from hicache.errors import InvalidArgument, ResourceExhausted
 from hicache.tiers.base import Allocator, PageIds
 
 _SHOWN_IDS = 8  # ids quoted in an error message before "..."
+# Batches up to this size are checked as Python lists: numpy's per-call overhead is more
+# than the work for the few pages a request allocates or frees.
+_SMALL = 32
 
 
 class PageAllocator(Allocator):
@@ -68,10 +71,10 @@ class PageAllocator(Allocator):
         batch = self._validated(ids)
         if batch.size == 0:
             return
-        not_held = batch[~self._allocated[batch]]
-        if not_held.size:
+        held = self._allocated[batch]
+        if not held.all():
             raise InvalidArgument(
-                f"{self._name}: double free: pages {_show(not_held)} are not allocated"
+                f"{self._name}: double free: pages {_show(batch[~held])} are not allocated"
             )
         self._allocated[batch] = False
         self._stack[self._top : self._top + batch.size] = batch[::-1]
@@ -92,24 +95,34 @@ class PageAllocator(Allocator):
         )
 
     def _validated(self, ids: PageIds, allow_repeats: bool = False) -> npt.NDArray[np.int64]:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgument(
                 f"{self._name}: page ids must be a 1-D integer array "
                 f"(got shape {arr.shape}, dtype {arr.dtype})"
             )
         batch = arr.astype(np.int64, copy=False)
-        bad = batch[(batch < 0) | (batch >= self._total)]
-        if bad.size:
+        n = batch.size
+        if n == 0:
+            return batch
+        if n <= _SMALL:
+            listed = batch.tolist()
+            in_range = min(listed) >= 0 and max(listed) < self._total
+            repeated = not allow_repeats and n > 1 and len(set(listed)) != n
+        else:
+            in_range = int(batch.min()) >= 0 and int(batch.max()) < self._total
+            ordered = np.sort(batch) if not allow_repeats else batch
+            repeated = not allow_repeats and bool((ordered[1:] == ordered[:-1]).any())
+        if not in_range:
+            bad = batch[(batch < 0) | (batch >= self._total)]
             raise InvalidArgument(
                 f"{self._name}: page ids {_show(bad)} out of range [0, {self._total})"
             )
-        if not allow_repeats and batch.size > 1:
+        if repeated:
             uniq, counts = np.unique(batch, return_counts=True)
-            if uniq.size != batch.size:
-                raise InvalidArgument(
-                    f"{self._name}: page ids {_show(uniq[counts > 1])} repeated in one batch"
-                )
+            raise InvalidArgument(
+                f"{self._name}: page ids {_show(uniq[counts > 1])} repeated in one batch"
+            )
         return batch
 
 

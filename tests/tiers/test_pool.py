@@ -67,6 +67,21 @@ def test_bad_batches_are_rejected_whole(batch: np.ndarray, message: str) -> None
     alloc.check_integrity()
 
 
+@pytest.mark.parametrize("size", [5, 200])  # checked as lists, and as arrays
+def test_bad_large_and_small_batches_name_the_offending_ids(size: int) -> None:
+    alloc = PageAllocator(300, "l2.full")
+    held = alloc.allocate(size)
+    with pytest.raises(InvalidArgument, match=r"page ids \[300\] out of range \[0, 300\)"):
+        alloc.free(np.append(held, 300))
+    with pytest.raises(InvalidArgument, match=rf"page ids \[{held[1]}\] repeated in one batch"):
+        alloc.free(np.append(held, held[1]))
+    with pytest.raises(InvalidArgument, match=r"double free: pages \[299\] are not allocated"):
+        alloc.free(np.append(held[:-1], 299))
+    assert alloc.free_count == 300 - size  # nothing freed by the failed calls
+    alloc.free(held)
+    alloc.check_integrity()
+
+
 def test_empty_free_and_bad_counts() -> None:
     alloc = PageAllocator(2)
     alloc.free(np.array([], dtype=np.int64))
