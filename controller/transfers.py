@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -212,7 +212,7 @@ class Transfers:
             short = target - alloc.free_count
             if short <= 0:
                 break
-            callback = self._l1_victim if tier is Tier.DEVICE else self._l2_victim
+            callback = self._victim_callback(tier)
             self._evicting += 1
             try:
                 result = self.tree.evict(tier, victim_kind, short, before_drop=callback)
@@ -227,6 +227,15 @@ class Transfers:
             self.stats[f"evictions_{tier.name.lower()}{suffix}"] += result.evicted_pages
 
     # ------------------------------------------------------------------ write policies
+
+    def _victim_callback(self, tier: Tier) -> Callable[[Victim], None] | None:
+        """What must happen before a slot leaves `tier` (a write-back), or None: then the
+        tree builds no victim descriptions at all."""
+        if tier is Tier.DEVICE:
+            return self._l1_victim if self.cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else None
+        if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and self.ctl.l3 is not None:
+            return self._l2_victim
+        return None
 
     def _l1_victim(self, victim: Victim) -> None:
         """A slot leaving L1: under write_back it goes to L2 first (only what L2 lacks)."""
@@ -317,15 +326,12 @@ class Transfers:
         worker, off the request path), then L3."""
         policy = self.cfg.write.l1_to_l2
         threshold = self.cfg.write.selective_threshold
-        path = self.tree.path_to(end)
-        for node in path:
-            if self.tree.is_resident(node, FULL, Tier.HOST):
-                continue
-            if policy is WritePolicy.WRITE_THROUGH or (
-                policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) >= threshold
-            ):
-                self.backup_to_host_async(node)
-        self._maybe_l3(path)
+        if policy is not WritePolicy.WRITE_BACK:
+            for node in self.tree.nodes_lacking(end, FULL, Tier.HOST):
+                if policy is WritePolicy.WRITE_THROUGH or self.tree.hits(node) >= threshold:
+                    self.backup_to_host_async(node)
+        if self.ctl.l3 is not None:
+            self._maybe_l3(self.tree.path_to(end))
 
     def backup_to_host_async(self, node: object) -> None:
         """Like `backup_to_host`, but on the copy worker: the node is pinned now (its L1
@@ -448,7 +454,8 @@ class Transfers:
                     continue
                 # NOTE: a match may have split the node meanwhile; the pinned object is the
                 # tail, its new parents hold the head of the copied span.
-                span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
+                n = len(moves[0][1]) if moves[0][0] is not MAMBA else 1
+                span = [(node, 0, n)] if self._pages_in(node) == n else self._span(node, n)
                 for kind, _dev, host_ids in moves:
                     self._drop_in_flight(kind, host_ids)
                     parts = [(node, 0, 1)] if kind is MAMBA else span

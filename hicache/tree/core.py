@@ -304,6 +304,19 @@ class HiRadixTree:
             current = current.parent
         return tuple(reversed(out))
 
+    def nodes_lacking(self, node: object, kind: ComponentKind, tier: Tier) -> list[object]:
+        """Nodes on the path to `node` (root first) whose `kind` slot is not in `tier`."""
+        bit = 1 << tier
+        ci = self._by_kind[kind].index
+        out: list[object] = []
+        current = node
+        while isinstance(current, Node) and current.parent is not None:
+            if not current.mask[ci] & bit:
+                out.append(current)
+            current = current.parent
+        out.reverse()
+        return out
+
     def parent_of(self, node: object) -> object | None:
         """The node above `node` (None at a namespace root)."""
         assert isinstance(node, Node)
