@@ -270,3 +270,15 @@ def test_insert_with_a_lock_on_other_tokens_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="does not match the lock's namespace"):
         tree.insert("other", seq(0, 8), {FULL: ids(1)}, lock=m.lock)
     tree.check_integrity()
+
+
+def test_nodes_lacking_a_tier_root_first() -> None:
+    tree = make_tree(4)
+    tree.insert("", seq(0, 8), {FULL: ids(0, 1)})
+    end = tree.insert("", seq(0, 16), {FULL: ids(0, 1, 2, 3)}).end
+    head = tree.parent_of(end)
+    assert tree.nodes_lacking(end, FULL, Tier.HOST) == [head, end]
+    tree.set_resident(head, FULL, Tier.HOST, ids(7, 8))
+    assert tree.nodes_lacking(end, FULL, Tier.HOST) == [end]
+    assert tree.nodes_lacking(end, FULL, Tier.DEVICE) == []
+    tree.check_integrity()
