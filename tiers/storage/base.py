@@ -38,7 +38,13 @@ from typing import ParamSpec, TypeVar
 import numpy as np
 
 from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
-from hicache.tiers.storage.integrity import HEADER_BYTES, check_object, write_header
+from hicache.tiers.storage.integrity import (
+    HEADER_BYTES,
+    check_object,
+    verified_objects,
+    write_header,
+    write_headers,
+)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -310,8 +316,7 @@ class StorageBackend(abc.ABC):
         future: cf.Future[list[PutStatus]] | None = None
         chunks = self._chunks(len(keys))
         for lo, hi in chunks:
-            for key, buf in zip(keys[lo:hi], buffers[lo:hi], strict=True):
-                write_header(buf, key)
+            write_headers(buffers[lo:hi], keys[lo:hi])
             if future is not None:
                 results.extend(future.result())
             future = self._submit(len(chunks) == 1, self._write_from, keys[lo:hi], buffers[lo:hi])
@@ -398,15 +403,9 @@ def verified(keys: Sequence[str], buffers: Sequence[np.ndarray], sizes: list[int
     """`sizes` (of objects read into `buffers`) with VERIFIED for each object that passes
     `check_object`; the others keep their size (for the caller to count as corrupt).
     Only the first ``len(sizes)`` keys and buffers are used."""
-    out = sizes.copy()
-    for i, (key, buf, size) in enumerate(zip(keys, buffers, sizes, strict=False)):
-        if size == buf.nbytes:
-            try:
-                check_object(buf, key, size)
-            except ObjectCorrupt:
-                continue
-            out[i] = VERIFIED
-    return out
+    n = len(sizes)
+    ok = verified_objects(buffers[:n], keys[:n], sizes)
+    return [VERIFIED if good else size for good, size in zip(ok, sizes, strict=True)]
 
 
 def _check_keys(keys: Sequence[str]) -> None:

@@ -23,6 +23,10 @@ from hicache.errors import BackendUnavailable
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
+# How long `submit_started` waits for a worker: an idle one starts within a millisecond; a
+# longer wait means all are busy, and waiting more would only delay the caller's own work.
+STARTED_WAIT_S = 0.05
+
 
 class BoundedCaller:
     def __init__(self, name: str, timeout_s: float, workers: int = 4) -> None:
@@ -68,6 +72,26 @@ class BoundedCaller:
             return self._pool.submit(fn, *args, **kwargs)
         except RuntimeError as e:  # pool shut down
             raise BackendUnavailable(f"{self.name}: closed") from e
+
+    def submit_started(
+        self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
+    ) -> cf.Future[_R]:
+        """`submit`, returning once a worker is about to call `fn`, or after at most
+        `STARTED_WAIT_S` when every worker is busy (the call then just waits its turn).
+
+        NOTE: for overlapping a client call that releases the GIL with Python work in the
+        caller. After a plain `submit` the worker first needs the GIL to enter the call,
+        and a caller busy in Python keeps it for up to the interpreter's switch interval
+        (5 ms): the call would start only after the caller's work, not beside it."""
+        started = threading.Event()
+
+        def run() -> _R:
+            started.set()
+            return fn(*args, **kwargs)
+
+        future = self.submit(run)
+        started.wait(min(self.timeout_s, STARTED_WAIT_S))
+        return future
 
     def result(self, future: cf.Future[_R], timeout_s: float | None = None) -> _R:
         """The result of a `submit`ted call, waiting at most `timeout_s` (default: the

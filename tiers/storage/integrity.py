@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -39,6 +40,8 @@ MAGIC = b"HKV\x01"
 _HEADER = struct.Struct("<4sHHQQ16s")
 _FIELDS = _HEADER.size  # 40 bytes of fields; the rest of the header is zero padding
 _PAD = bytes(HEADER_BYTES - _FIELDS)
+# magic, version and reserved: the first 8 header bytes, the same in every object.
+_PREFIX = np.frombuffer(struct.pack("<4sHH", MAGIC, FORMAT_VERSION, 0), dtype=np.uint8)
 _checksum = xxhash.xxh3_64_intdigest
 
 
@@ -65,6 +68,59 @@ def write_header(obj: np.ndarray, key: str) -> None:
     checksum = _checksum(view[HEADER_BYTES:])
     _HEADER.pack_into(view, 0, MAGIC, FORMAT_VERSION, 0, length, checksum, key_digest(key))
     view[_FIELDS:HEADER_BYTES] = _PAD
+
+
+def write_headers(objs: Sequence[np.ndarray], keys: Sequence[str]) -> None:
+    """`write_header` for every (object, key) pair: the same bytes, built in one numpy pass.
+
+    Mutates only the header areas."""
+    if not objs:
+        return
+    views = [obj.data for obj in objs]
+    rows = _header_rows(views, keys, HEADER_BYTES).reshape(-1).data
+    at = 0
+    for view in views:
+        view[:HEADER_BYTES] = rows[at : at + HEADER_BYTES]
+        at += HEADER_BYTES
+
+
+def verified_objects(
+    objs: Sequence[np.ndarray], keys: Sequence[str], stored_bytes: Sequence[int]
+) -> list[bool]:
+    """For each object, whether `check_object` would accept it, without raising: one
+    checksum per object of the right size, then one numpy comparison of all header fields.
+    Mutates nothing. `_diagnose`/`check_object` tell what is wrong with a rejected one."""
+    n = len(objs)
+    fit = [i for i in range(n) if stored_bytes[i] == objs[i].nbytes]
+    if len(fit) < n:  # wrong-sized objects fail without hashing; check the others
+        ok = [False] * n
+        sub = [objs[i] for i in fit]
+        for i, good in zip(
+            fit, verified_objects(sub, [keys[i] for i in fit], [o.nbytes for o in sub]), strict=True
+        ):
+            ok[i] = good
+        return ok
+    if not n:
+        return []
+    views = [obj.data for obj in objs]
+    got = np.frombuffer(b"".join([view[:_FIELDS] for view in views]), dtype=np.uint8)
+    expected = _header_rows(views, keys, _FIELDS)
+    return (got.reshape(n, _FIELDS) == expected).all(axis=1).tolist()  # type: ignore[no-any-return]
+
+
+def _header_rows(views: Sequence[memoryview], keys: Sequence[str], width: int) -> np.ndarray:
+    """The first `width` bytes (40 or 64) of each object's correct header, one row each;
+    hashes every payload (the only per-object work, besides the key digest)."""
+    n = len(views)
+    rows = np.zeros((n, width), dtype=np.uint8)
+    rows[:, 0:8] = _PREFIX
+    lengths = np.array([len(view) - HEADER_BYTES for view in views], dtype="<u8")
+    rows[:, 8:16] = lengths.view(np.uint8).reshape(n, 8)
+    sums = np.array([_checksum(view[HEADER_BYTES:]) for view in views], dtype="<u8")
+    rows[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
+    digests = np.frombuffer(b"".join(map(key_digest, keys)), dtype=np.uint8)
+    rows[:, 24:40] = digests.reshape(n, 16)
+    return rows
 
 
 def check_object(obj: np.ndarray, key: str, stored_bytes: int) -> None:

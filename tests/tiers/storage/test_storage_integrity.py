@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from hicache.errors import ObjectCorrupt
-from hicache.tiers.storage.integrity import HEADER_BYTES, MAGIC, check_object, write_header
+from hicache.tiers.storage.integrity import (
+    HEADER_BYTES,
+    MAGIC,
+    check_object,
+    verified_objects,
+    write_header,
+    write_headers,
+)
 
 
 def _object(payload: int = 256) -> np.ndarray:
@@ -48,3 +55,53 @@ def test_wrong_key_and_short_object_are_caught() -> None:
         check_object(obj, "ns/b:full", obj.nbytes)
     with pytest.raises(ObjectCorrupt, match="bytes, expected"):
         check_object(obj, "ns/a:full", obj.nbytes - 1)
+
+
+def _batch(payloads: list[int]) -> tuple[list[np.ndarray], list[str]]:
+    """Objects of the given payload sizes with distinct payloads and keys, headers still 0xAA."""
+    rng = np.random.default_rng(7)
+    objs = [np.full(HEADER_BYTES + n, 0xAA, dtype=np.uint8) for n in payloads]
+    for obj in objs:
+        obj[HEADER_BYTES:] = rng.integers(0, 256, obj.nbytes - HEADER_BYTES, dtype=np.uint8)
+    return objs, [f"ns/{i}:full" for i in range(len(objs))]
+
+
+def test_batch_headers_are_the_bytes_of_the_single_object_codec() -> None:
+    objs, keys = _batch([256, 4096, 256, 1000])
+    singles = [obj.copy() for obj in objs]
+    write_headers(objs, keys)
+    for obj, single, key in zip(objs, singles, keys, strict=True):
+        write_header(single, key)
+        np.testing.assert_array_equal(obj, single)  # header and pad equal, payload untouched
+
+
+def test_batch_verification_agrees_with_check_object_on_every_corruption() -> None:
+    objs, keys = _batch([256] * 9 + [512])
+    write_headers(objs, keys)
+    sizes = [obj.nbytes for obj in objs]
+    assert verified_objects(objs, keys, sizes) == [True] * 10
+    objs[1][0] ^= 1  # magic
+    objs[2][4] ^= 1  # version
+    objs[3][6] ^= 1  # reserved
+    objs[4][8] ^= 1  # payload length
+    objs[5][16] ^= 1  # checksum field
+    objs[6][30] ^= 1  # key digest
+    objs[7][HEADER_BYTES + 200] ^= 1  # payload
+    keys[8] = "ns/other:full"  # stored under another key
+    sizes[9] -= 1  # the store held a shorter object
+    before = [obj.copy() for obj in objs]
+    ok = verified_objects(objs, keys, sizes)
+    assert ok == [True] + [False] * 9
+    for obj, copy in zip(objs, before, strict=True):
+        np.testing.assert_array_equal(obj, copy)  # verifying mutates nothing
+    for obj, key, size, good in zip(objs, keys, sizes, ok, strict=True):
+        if good:
+            check_object(obj, key, size)
+        else:
+            with pytest.raises(ObjectCorrupt):
+                check_object(obj, key, size)
+
+
+def test_batch_verification_of_nothing_is_empty() -> None:
+    assert verified_objects([], [], []) == []
+    write_headers([], [])
