@@ -411,11 +411,12 @@ class Transfers:
 
     def _reserve_host(self, batch: list[HostCopy]) -> None:
         """Caller holds the mutex. Host pages for each queued slot, one allocation per
-        family for the whole batch (evicting from L2 as needed; waiting, like any L2
-        allocation, for host pages an L3 write holds, but not for queued copies: those
-        are this batch). Short of room for the batch, node by node without waiting: a
-        node whose FULL slot finds no room is skipped (counted); a later slot without
-        room stops its node's copies there."""
+        family for the whole batch (evicting from L2 as needed). Never waiting: not for
+        queued copies (those are this batch), and not for host pages an L3 write holds,
+        since L1 allocations wait for this flush and the serving path must not wait on
+        L3 (a store slower than the write stream would throttle requests). Short of room,
+        node by node: a node whose FULL slot finds none is skipped (counted, its L1 pages
+        unpinned); a later slot without room stops its node's copies there."""
         want: dict[ComponentKind, int] = {}
         for copy in batch:
             for kind, dev in copy.slots:
@@ -423,7 +424,7 @@ class Transfers:
         got: dict[ComponentKind, np.ndarray] = {}
         for kind, n in want.items():
             with contextlib.suppress(ResourceExhausted):  # else node by node below
-                got[kind] = self._allocate(Tier.HOST, kind, n, wait_for_copies=False)
+                got[kind] = self._allocate(Tier.HOST, kind, n, wait_for_copies=False, wait_s=0.0)
         used = dict.fromkeys(got, 0)
         try:
             for copy in batch:

@@ -167,3 +167,42 @@ def test_a_failed_flush_frees_its_host_pages_and_the_next_one_lands(make) -> Non
     assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
     reload_and_verify(ctl, eng, [kept])
+
+
+def test_a_stalled_l3_store_never_throttles_the_serving_path(make, monkeypatch) -> None:
+    """L2 -> L3 write-through into a store that does not answer: the host pages those
+    writes hold fill L2, and L1 -> L2 flushes then skip nodes rather than wait for them,
+    so L1 allocations (which wait for flushes) never wait on L3."""
+    monkeypatch.setattr(transfers_mod, "BACKPRESSURE_S", 60.0)  # a wait would hang the test
+    ctl = make(storage__backend="file", write__l2_to_l3="write_through", l1_tokens=32)
+    eng = Engine(ctl)
+    gate = threading.Event()
+    stalled = threading.Event()
+    write = ctl.l3.write
+
+    def stuck(*args, **kwargs):
+        stalled.set()
+        assert gate.wait(60)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ctl.l3, "write", stuck)
+    done = threading.Event()
+
+    def serve() -> None:
+        for i in range(20):  # 40 pages through 8 L1 and 16 L2 pages
+            eng.request(seq(2, 1000 * (i + 1)), load=False)
+        done.set()
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    try:
+        # About 2 s here; with flushes waiting on the store it took over 20 s.
+        worker.join(10)
+        assert done.is_set(), "requests waited on the stalled L3 store"
+        assert stalled.is_set() and not gate.is_set()
+        assert ctl.transfers.stats["backups_l2_skipped"] > 0
+    finally:
+        gate.set()
+    worker.join(30)
+    assert ctl.transfers.drain(30)
+    ctl.check_integrity()

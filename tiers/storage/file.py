@@ -159,7 +159,7 @@ class FileBackend(StorageBackend):
     def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
         for key in keys:
-            present = os.path.exists(self.path_of(key))
+            present = os.access(self.path_of(key), os.F_OK)  # half the cost of a stat
             out.append(present)
             if not present:
                 break
@@ -224,7 +224,7 @@ class FileBackend(StorageBackend):
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = self._path(h)
-            if os.path.exists(path):
+            if os.access(path, os.F_OK):
                 out.append(PutStatus.PRESENT)
                 continue
             tmp = path + tmp_suffix
