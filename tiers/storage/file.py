@@ -45,7 +45,17 @@ STALE_TEMP_S = 600.0
 # thread that just read the object, on bytes still in the CPU cache).
 WRITE_THREADS = 2
 READ_THREADS = 1
+EXISTS_THREADS = 2
 MIN_PART = 16
+
+
+def _runs(total: int, threads: int) -> list[tuple[int, int]]:
+    """(start, length) of at most `threads` runs of at least MIN_PART covering `total`."""
+    if total <= 0:
+        return [(0, 0)]
+    n = max(1, min(threads, total // MIN_PART))
+    size = -(-total // n)
+    return [(lo, min(size, total - lo)) for lo in range(0, total, size)]
 
 
 class FileBackend(StorageBackend):
@@ -154,7 +164,17 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------------ backend hooks
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._caller.call(self._exists_sync, keys)
+        # Checked in parallel runs (a check is a syscall, run without the GIL); each run
+        # stops at its first miss, and the answer is the prefix up to the first miss.
+        parts = self._caller.map(self._exists_sync, [
+            (keys[lo : lo + n],) for lo, n in _runs(len(keys), EXISTS_THREADS)
+        ])
+        out: list[bool] = []
+        for part in parts:
+            out.extend(part)
+            if not part or not part[-1]:
+                break
+        return out
 
     def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
@@ -169,10 +189,7 @@ class FileBackend(StorageBackend):
         self, keys: Sequence[str], buffers: Sequence[np.ndarray], threads: int
     ) -> list[tuple[Sequence[str], Sequence[np.ndarray]]]:
         """`keys`/`buffers` cut into at most `threads` runs of at least `MIN_PART` objects."""
-        n = len(keys)
-        parts = max(1, min(threads, n // MIN_PART))
-        step = -(-n // parts)
-        return [(keys[lo : lo + step], buffers[lo : lo + step]) for lo in range(0, n, step)]
+        return [(keys[lo : lo + n], buffers[lo : lo + n]) for lo, n in _runs(len(keys), threads)]
 
     def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
         parts = self._caller.map(self._read_sync, self._parts(keys, buffers, READ_THREADS))

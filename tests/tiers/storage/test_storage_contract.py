@@ -130,6 +130,20 @@ def test_exists_prefix_stops_at_the_first_gap(store: Store) -> None:
     assert backend.exists_prefix([]) == 0
 
 
+@pytest.mark.parametrize("gap", [5, 40, None])
+def test_exists_prefix_over_parallel_runs(store: Store, gap: int | None) -> None:
+    """Enough keys that a backend may check them in parallel runs: a gap in the first run
+    ends the answer there even though the later run is whole, and one in the later run
+    is found after the first run's keys."""
+    backend = store.backend
+    n = 64
+    pool = Pool(n).register(backend)
+    ks = keys(n)
+    present = [i for i in range(n) if i != gap]
+    backend.put_from([ks[i] for i in present], pool.slots(present))
+    assert backend.exists_prefix(ks) == (n if gap is None else gap)
+
+
 def test_missing_keys_are_misses_and_others_still_hit(store: Store) -> None:
     backend = store.backend
     src, dst = Pool(3, seed=2).register(backend), Pool(3, seed=None).register(backend)
