@@ -94,6 +94,8 @@ class HiRadixTree:
         self._ncomp = len(self.components)
         self._path_comps = [c for c in self.components if c.path_scoped]
         self._path_idx = [c.index for c in self._path_comps]
+        # Where each component's lock count lives: path-scoped ones share FULL's.
+        self._lock_idx = [FULL_INDEX if c.path_scoped else c.index for c in self.components]
         assert all(c.per_page for c in self._path_comps), "path-scoped slots hold a page per page"
         self._point_comps = [c for c in self.components if not c.path_scoped]
         self._others = self.components[1:]
@@ -116,11 +118,12 @@ class HiRadixTree:
 
     def _make_queue(self, tier: int, comp: Component) -> EvictionQueue:
         ci = comp.index
+        li = self._lock_idx[ci]
         return EvictionQueue(
             1 << (tier * self._ncomp + ci),
             comp.rank_key(self._lfu),
             comp.candidate_test(tier),
-            lambda n: n.lock[ci] > 0,
+            lambda n: n.lock[li] > 0,
         )
 
     # ------------------------------------------------------------------ queries
@@ -394,8 +397,8 @@ class HiRadixTree:
 
     def _lock_path(self, end: Node, delta: int) -> None:
         # Hot: runs twice per request over the whole path, hence the inlined counters.
-        # Path-scoped slots of a node are always locked together, so one count (FULL's)
-        # says whether the node's lock state flips.
+        # Path-scoped slots of a node are always locked together: they share one count,
+        # FULL's (`_lock_idx`), which also says whether the node's lock state flips.
         indices = self._path_idx
         locked = self._locked
         node: Node | None = end
@@ -403,14 +406,11 @@ class HiRadixTree:
             lk = node.lock
             before = lk[FULL_INDEX]
             after = before + delta
-            if before and after:
-                for ci in indices:
-                    lk[ci] = after
-            else:
+            lk[FULL_INDEX] = after
+            if not (before and after):
                 n = node.npages * delta
                 mask = node.mask
                 for ci in indices:
-                    lk[ci] = after
                     m = mask[ci]
                     if m & 1:
                         locked[0][ci] += n
@@ -426,12 +426,16 @@ class HiRadixTree:
         after = before + delta
         assert after >= 0, f"lock underflow at {node}"
         node.lock[ci] = after
-        if (before == 0) != (after == 0):
-            pages = comp.slot_pages(node) * delta
-            mask = node.mask[ci]
-            for tier in range(3):
-                if mask & (1 << tier):
-                    self._locked[tier][ci] += pages
+        mask = node.mask[ci]
+        if mask and (before == 0) != (after == 0):
+            pages = (node.npages if comp.per_page else 1) * delta
+            locked = self._locked
+            if mask & 1:
+                locked[0][ci] += pages
+            if mask & 2:
+                locked[1][ci] += pages
+            if mask & 4:
+                locked[2][ci] += pages
 
     # ------------------------------------------------------------------ insert
 
@@ -640,14 +644,14 @@ class HiRadixTree:
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
                           tier: int) -> None:
+        ids = np.array([slot], dtype=np.int64)
         for comp in self._point_comps:
-            held = node.res[comp.index * PAGED_TIERS + tier]
-            if node.parent is None or (held is not None and int(held[0]) != slot):
-                released[comp.index].append(np.array([slot], dtype=np.int64))
-            elif held is None and node.mask[FULL_INDEX] & (1 << tier):
-                self._set(node, comp, tier, np.array([slot], dtype=np.int64))
-            elif held is None:
-                released[comp.index].append(np.array([slot], dtype=np.int64))
+            ci = comp.index
+            held = node.res[ci * PAGED_TIERS + tier]
+            if held is None and node.parent is not None and node.mask[FULL_INDEX] & (1 << tier):
+                self._set(node, comp, tier, ids)
+            elif held is None or int(held[0]) != slot:
+                released[ci].append(ids)
 
     def _move_lock(self, lock: TreeLock, end: Node, tokens: bytes) -> None:
         """keep_lock: the request goes on using what it inserted, so the lock follows."""
@@ -738,7 +742,7 @@ class HiRadixTree:
         node.mask[ci] = mask
         n = node.npages if comp.per_page else 1
         self._resident[tier][ci] += n
-        if node.lock[ci]:
+        if node.lock[self._lock_idx[ci]]:
             self._locked[tier][ci] += n
         if tier < PAGED_TIERS:
             node.res[ci * PAGED_TIERS + tier] = pages
@@ -764,7 +768,7 @@ class HiRadixTree:
             node.mask[ci] &= ~(1 << tier)
             n = c.slot_pages(node)
             self._resident[tier][ci] -= n
-            if node.lock[ci]:
+            if node.lock[self._lock_idx[ci]]:
                 self._locked[tier][ci] -= n
             if tier < PAGED_TIERS:
                 arr = node.res[ci * PAGED_TIERS + tier]
@@ -784,7 +788,7 @@ class HiRadixTree:
                 if node.mask[c.index]:
                     n = c.slot_pages(node)
                     self._resident[Tier.STORAGE][c.index] -= n
-                    if node.lock[c.index]:
+                    if node.lock[self._lock_idx[c.index]]:
                         self._locked[Tier.STORAGE][c.index] -= n
                     node.mask[c.index] = 0
             self._delete(node)

@@ -95,10 +95,11 @@ def check_tree(tree: HiRadixTree) -> None:
                                 assert full & (1 << tier), f"{where}: {comp.kind.value} in {tier.name} without FULL"
                     if on:
                         resident[tier][ci] += size
-                        if node.lock[ci]:
+                        if node.lock[t._lock_idx[ci]]:
                             locked[tier][ci] += size
                 want_lock = expect_lock.get(id(node), [0] * ncomp)[ci]
-                assert node.lock[ci] == want_lock, f"{where}: {comp.kind.value} lock {node.lock[ci]} != {want_lock}"
+                have_lock = node.lock[t._lock_idx[ci]]
+                assert have_lock == want_lock, f"{where}: {comp.kind.value} lock {have_lock} != {want_lock}"
                 want_sref = expect_sref.get(id(node), [0] * ncomp)[ci]
                 assert node.sref[ci] == want_sref, f"{where}: {comp.kind.value} sref {node.sref[ci]} != {want_sref}"
                 for tier in range(PAGED_TIERS):
