@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from hicache.config import HicacheConfig, load_config, to_plain
+from hicache.endpoint import parse_address
 from hicache.errors import ConfigError, HicacheError
 
 log = logging.getLogger("hicache")
@@ -128,7 +129,9 @@ def _ca(args: argparse.Namespace) -> bytes | None:
     needs; None leaves the system's roots (or plaintext where TLS is not used)."""
     path = args.ca_file
     if path is None and args.target is None:
-        path = load_config(args.config).server.tls_cert
+        server = load_config(args.config).server
+        if not parse_address(server.listen).is_unix:  # TLS is for TCP only
+            path = server.tls_cert
     if path is None:
         return None
     with open(path, "rb") as fh:

@@ -68,3 +68,16 @@ def test_unreadable_ca_file_is_a_clear_error(tmp_path) -> None:
     out = run_cli("health", "--target", "127.0.0.1:1", "--ca-file", str(tmp_path / "missing.pem"))
     assert out.returncode == 2
     assert "missing.pem" in out.stderr and "No such file" in out.stderr
+
+
+def test_probe_of_a_unix_socket_daemon_ignores_the_configs_certificate(
+    make_daemon: MakeDaemon, cert, tmp_path
+) -> None:
+    """TLS is for TCP: a config that names a certificate but listens on a unix socket is
+    probed in plaintext over the socket."""
+    crt, key = cert
+    d = make_daemon()
+    cfg = tmp_path / "unix.yaml"
+    cfg.write_text(f"server: {{listen: '{d.target}', tls_cert: '{crt}', tls_key: '{key}'}}\n")
+    out = run_cli("health", "--config", str(cfg))
+    assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr
