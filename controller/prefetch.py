@@ -62,6 +62,9 @@ class PrefetchOp:
     l1_moves: list[list[L1Move]] = field(default_factory=list)  # copies in flight (mutex)
     l1_pending: int = 0  # copies not landed yet (under l1_cond)
     l1_cond: threading.Condition = field(default_factory=threading.Condition)
+    # A batch that did not land whole in L1: later batches must not land below the gap
+    # (L1 holds a prefix), so they are freed instead (mutex).
+    l1_broken: bool = False
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -308,7 +311,8 @@ class Prefetcher:
 
     def _copy_to_l1(self, op: PrefetchOp, moves: list[L1Move], inline: bool) -> None:
         """Copy and land `moves`: on the L1 worker while the next batch is read, or here
-        (the last batch: nothing left to overlap with)."""
+        (the last batch: nothing left to overlap with). Batches land in order: the worker
+        runs them first in, first out, and the inline one waits for those before it."""
         if inline:
             try:
                 self.ctl.transfers.copy_to_l1(moves)
@@ -316,6 +320,9 @@ class Prefetcher:
                 log.exception("prefetch %d: copy to L1 failed", op.op_id)
                 self._l1_done(op, moves, copied=False)
                 return
+            with op.l1_cond:
+                while op.l1_pending > 1:  # earlier batches still on the worker
+                    op.l1_cond.wait()
             self._l1_done(op, moves, copied=True)
             return
 
@@ -328,18 +335,28 @@ class Prefetcher:
             self._l1_done(op, moves, copied=False)
 
     def _l1_done(self, op: PrefetchOp, moves: list[L1Move], copied: bool) -> None:
-        """Land (or, not copied, free) a copy to L1, exactly once."""
+        """Land (or, not copied, free) a copy to L1, exactly once. After a batch that did
+        not land whole, later ones are freed: L1 must not hold pages below a gap."""
         with self.ctl._mu:
             if not any(m is moves for m in op.l1_moves):
                 return
             op.l1_moves = [m for m in op.l1_moves if m is not moves]
+            transfers = self.ctl.transfers
             try:
-                if copied:
-                    self.ctl.counters["prefetch_pages_to_l1"] += self.ctl.transfers.land_in_l1(moves)
+                if copied and not op.l1_broken:
+                    want = sum(len(dev) for _, kind, _, dev in moves if kind is FULL)
+                    landed = transfers.land_in_l1(moves)
+                    self.ctl.counters["prefetch_pages_to_l1"] += landed
+                    if landed < want:
+                        op.l1_broken = True
                 else:
                     for _, kind, _, dev in moves:
-                        self.ctl.transfers.free_l1(kind, dev)
-                    self.ctl.counters["prefetch_to_l1_failed"] += 1
+                        transfers.free_l1(kind, dev)
+                    if not copied:
+                        self.ctl.counters["prefetch_to_l1_failed"] += 1
+                    op.l1_broken = True
+                if op.l1_broken:
+                    op.to_l1 = False
             finally:
                 with op.l1_cond:
                     op.l1_pending -= 1

@@ -618,7 +618,8 @@ class Transfers:
     def land_in_l1(self, moves: list[L1Move]) -> int:
         """Caller holds the mutex. Copied moves become L1-resident; returns the FULL
         pages that did. A slot that L1 holds already (a concurrent load or insert got
-        there first), or whose L2 pages are no longer the ones copied, frees its L1 pages.
+        there first), whose L2 pages are no longer the ones copied, or (FULL) whose parent
+        is not in L1 (L1 holds prefixes), frees its L1 pages. Moves land root first.
         NOTE: a match may have split a node meanwhile; the object is the tail, its new
         parents hold the head of the copied span."""
         landed = 0
@@ -629,9 +630,11 @@ class Transfers:
                 parts = self._span(node, len(dev))
             for part, lo, hi in parts:
                 there = self.tree.pages_of(part, kind, Tier.HOST) if self.tree.is_live(part) else None
+                above = self.tree.parent_of(part) if kind is FULL else None
                 if (there is not None and np.array_equal(there, host_ids[lo:hi])
                         and not self.tree.is_resident(part, kind, Tier.DEVICE)
-                        and (kind is FULL or self.tree.is_resident(part, FULL, Tier.DEVICE))):
+                        and (kind is FULL or self.tree.is_resident(part, FULL, Tier.DEVICE))
+                        and (above is None or self.tree.is_resident(above, FULL, Tier.DEVICE))):
                     self.tree.set_resident(part, kind, Tier.DEVICE, dev[lo:hi])
                     landed += (hi - lo) if kind is FULL else 0
                 else:
@@ -663,11 +666,12 @@ class Transfers:
                     return
                 raise op.error
             self.stats["loaded_pages"] += self.land_in_l1(op.moves)
+            if abandoned:
+                return  # the copy is kept; the lock (maybe released by now) is not touched
             self.tree.mark_loaded(lock)
             pages = self._path_pages(lock)
             tokens = self.tree.depth_tokens(lock.end)
-        if not abandoned:
-            yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
+        yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
 
     def _copy_reporting_layers(self, op: LoadOp) -> Iterator[LoadProgress]:
         """Copy on a load thread; yield each layer as it lands (not the last)."""
@@ -682,7 +686,12 @@ class Transfers:
                     op.done = True
                     op.cond.notify_all()
 
-        running = self._load_threads.submit(work)
+        try:
+            running = self._load_threads.submit(work)
+        except RuntimeError as e:  # shut down: the daemon is stopping
+            op.error = e
+            op.done = True
+            return
         sent = 0
         while True:
             with op.cond:

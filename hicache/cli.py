@@ -246,8 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HicacheError as e:
         print(f"hicache: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # a file named on the command line or in the config
-        print(f"hicache: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        # A file named on the command line or in the config (certificate, token).
+        print(f"hicache: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
 
 

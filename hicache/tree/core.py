@@ -797,10 +797,23 @@ class HiRadixTree:
         """A child's FULL slot arrived in `tier`: the parent's other slots may now drop
         data the child covers (SWA outside the kept window)."""
         parent.nres[tier] += 1
-        if parent.parent is not None:
-            queues = self._queues[tier]
-            for ci in self._child_sensitive:
-                queues[ci].offer(parent)
+        if parent.parent is None:
+            return
+        queues = self._queues[tier]
+        for ci in self._child_sensitive:
+            # The path below grew: every node within a window of the old end may now
+            # hold data outside every kept window (a slot popped earlier as wholly kept
+            # lost its queue mark and must be offered again).
+            window = self.components[ci].window_pages
+            queue = queues[ci]
+            node = parent
+            dist = 0
+            while node.parent is not None:
+                queue.offer(node)
+                dist += node.npages
+                if dist >= window:
+                    break
+                node = node.parent
 
     def _after_full_left(self, parent: Node, tier: int) -> None:
         """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and

@@ -143,3 +143,68 @@ def test_a_failed_copy_to_l1_frees_its_l1_pages_and_the_pages_stay_in_l2(make) -
     m = ctl.match("e1", MatchRequest("", tokens))
     assert (m.device_tokens, m.host_tokens) == (0, 24)
     eng.request(tokens + seq(1, 999))  # loads from L2 and verifies every byte
+
+
+def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(make, monkeypatch) -> None:
+    """The last batch is copied inline while earlier ones are still on the worker: it
+    waits for them, so no node ever sits in L1 below one that is not (checked at every
+    landing)."""
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(7)
+    _in_l3_only(ctl, eng, tokens)
+    monkeypatch.setattr(pf, "BATCH_PAGES", 2)
+    copier = ctl.transfers.copier
+    real = copier.host_to_device
+
+    def slow_on_the_worker(kind, host, dev, on_layer=None):
+        if threading.current_thread().name == "hicache-prefetch-to-l1":
+            time.sleep(0.2)
+        return real(kind, host, dev, on_layer=on_layer)
+
+    monkeypatch.setattr(copier, "host_to_device", slow_on_the_worker)
+    land = ctl.transfers.land_in_l1
+
+    def audited(moves):
+        landed = land(moves)
+        ctl.tree.check_integrity()  # raises on an L1 node under a parent outside L1
+        return landed
+
+    monkeypatch.setattr(ctl.transfers, "land_in_l1", audited)
+    _prefetch(ctl, tokens)
+    assert ctl.stats().counters["prefetch_pages_to_l1"] == 7
+    m = ctl.match("e1", MatchRequest("", tokens))
+    assert m.device_tokens == 28
+    eng.verify(m.device_pages, tokens, 7)
+
+
+def test_after_a_failed_copy_later_batches_stay_in_l2(make, monkeypatch) -> None:
+    """The first batch's copy to L1 fails: the later ones must not land below it (their
+    L1 pages are freed); the whole prefix stays in L2 and a load brings it up."""
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(7)
+    _in_l3_only(ctl, eng, tokens)
+    monkeypatch.setattr(pf, "BATCH_PAGES", 2)
+    copier = ctl.transfers.copier
+    real = copier.host_to_device
+    calls = []
+
+    def first_fails(kind, host, dev, on_layer=None):
+        calls.append(len(dev))
+        if len(calls) == 1:
+            raise RuntimeError("injected copy failure")
+        return real(kind, host, dev, on_layer=on_layer)
+
+    monkeypatch.setattr(copier, "host_to_device", first_fails)
+    _prefetch(ctl, tokens)
+    monkeypatch.setattr(copier, "host_to_device", real)
+    counters = ctl.stats().counters
+    assert counters["prefetch_to_l1_failed"] == 1
+    assert counters.get("prefetch_pages_to_l1", 0) == 0
+    ctl.check_integrity()
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert (m.device_tokens, m.host_tokens) == (0, 28)
+    last = list(ctl.load("e1", m.lock_id))[-1]
+    eng.verify(last.device_pages, tokens, 7)
+    ctl.release("e1", m.lock_id, None)

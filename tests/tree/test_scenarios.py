@@ -282,3 +282,16 @@ def test_nodes_lacking_a_tier_root_first() -> None:
     assert tree.nodes_lacking(end, FULL, Tier.HOST) == [end]
     assert tree.nodes_lacking(end, FULL, Tier.DEVICE) == []
     tree.check_integrity()
+
+
+def test_swa_data_pushed_out_of_the_window_by_a_deeper_insert_becomes_evictable() -> None:
+    """An SWA slot popped while its window kept it whole loses its queue mark; when the
+    path below grows, it must be offered again (found by a review: it was never queued)."""
+    tree = make_tree(2, swa_window=4)
+    tree.insert("", seq(0, 2), {FULL: ids(0), SWA: ids(0)})
+    tree.insert("", seq(0, 4), {FULL: ids(0, 1), SWA: ids(0, 1)})
+    assert tree.evict(Tier.DEVICE, SWA, 1).evicted_pages == 0  # both pages in the window
+    tree.insert("", seq(0, 6), {FULL: ids(0, 1, 2), SWA: ids(0, 1, 2)})
+    tree.check_integrity()  # raised "evictable swa/0 not queued"
+    assert tree.evict(Tier.DEVICE, SWA, 1).evicted_pages == 1  # page 0 left the window
+    tree.check_integrity()
