@@ -133,13 +133,18 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name=f"hicache-{name}", daemon=True)
         self._idle = threading.Condition()
         self._busy = 0
+        self._closed = False
         self.failures = 0
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: Job) -> bool:
+        """False when the queue is full or the worker is closed (the job would never
+        run): the caller gives up on it itself."""
         with self._idle:
+            if self._closed:
+                return False
             self._busy += 1
         try:
             self._queue.put_nowait(job)
@@ -166,6 +171,8 @@ class Worker:
         return self._thread.is_alive()
 
     def close(self) -> None:
+        with self._idle:
+            self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=5)
