@@ -806,10 +806,12 @@ class HiRadixTree:
             # lost its queue mark and must be offered again).
             window = self.components[ci].window_pages
             queue = queues[ci]
+            marked = queue.bit
             node = parent
             dist = 0
             while node.parent is not None:
-                queue.offer(node)
+                if not node.qmask & marked:  # (a marked slot is queued already)
+                    queue.offer(node)
                 dist += node.npages
                 if dist >= window:
                     break

@@ -41,6 +41,7 @@ class EvictionQueue:
         self._parked: list[Node] = []
         self._seq = itertools.count()
         self._bit = bit
+        self.bit = bit  # the slot's mark in Node.qmask (read-only)
         self._rank = rank
         self._is_candidate = is_candidate
         self._is_locked = is_locked
