@@ -79,14 +79,9 @@ def test_write_through_selective_waits_for_hits(make) -> None:
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
 
 
-def test_load_reports_layers_before_the_next_is_copied(make) -> None:
-    ctl = make(write__l1_to_l2="write_through", storage__backend="none")
-    eng = Engine(ctl)
-    eng.request(seq(4))
-    evict_all(ctl, Tier.DEVICE)
-    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
+def gate_after_first_layer(ctl) -> threading.Event:
+    """L2 -> L1 copies stop after reporting layer 0 until the returned event is set."""
     gate = threading.Event()
-    seen: list[int] = []
     copier = ctl.transfers.copier
     original = copier.host_to_device
 
@@ -98,7 +93,18 @@ def test_load_reports_layers_before_the_next_is_copied(make) -> None:
                 assert gate.wait(5), "layer 1 was copied before the waiter saw layer 0"
         return original(kind, host, dev, on_layer=hook)
 
-    copier.host_to_device = gated  # type: ignore[method-assign]
+    copier.host_to_device = gated
+    return gate
+
+
+def test_load_reports_layers_before_the_next_is_copied(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    evict_all(ctl, Tier.DEVICE)
+    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
+    gate = gate_after_first_layer(ctl)
+    seen: list[int] = []
     stream = ctl.load("e1", m.lock_id)
     first = next(stream)
     seen.append(first.layers_ready)
@@ -116,19 +122,7 @@ def test_a_load_stream_abandoned_midway_still_lands_and_leaks_nothing(make) -> N
     eng.request(seq(4))
     evict_all(ctl, Tier.DEVICE)
     m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
-    gate = threading.Event()
-    copier = ctl.transfers.copier
-    original = copier.host_to_device
-
-    def gated(kind, host, dev, on_layer=None):
-        def hook(layer: int) -> None:
-            if on_layer is not None:
-                on_layer(layer)
-            if layer == 0:
-                assert gate.wait(5)
-        return original(kind, host, dev, on_layer=hook)
-
-    copier.host_to_device = gated  # type: ignore[method-assign]
+    gate = gate_after_first_layer(ctl)
     stream = ctl.load("e1", m.lock_id)
     assert next(stream).layers_ready == 1
     # The engine goes away mid-stream (gRPC closes the generator); the copy into the
