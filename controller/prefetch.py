@@ -195,8 +195,7 @@ class Prefetcher:
         self._reserved_pages += n
         self.running += 1
         self._ops[op.op_id] = op
-        while len(self._ops) > self._keep:
-            self._ops.popitem(last=False)
+        self._forget_finished()
         if not self.worker.submit(Job(f"prefetch-{op.op_id}", lambda: self._run(op),
                                       lambda e: self._finish(op, PrefetchState.FAILED))):
             self._finish_locked(op, PrefetchState.FAILED)
@@ -393,6 +392,21 @@ class Prefetcher:
     def _mark(self, node: object, kind: ComponentKind) -> None:
         if self.tree.is_resident(node, kind, Tier.HOST) and not self.tree.is_resident(node, kind, Tier.STORAGE):
             self.tree.set_resident(node, kind, Tier.STORAGE)
+
+    def _forget_finished(self) -> None:
+        """Caller holds the mutex. Keep at most `keep_finished` ops, dropping finished ones
+        oldest first: a running op stays (its status is asked for, its pages audited)."""
+        excess = len(self._ops) - self._keep
+        if excess <= 0:
+            return
+        drop = []
+        for op_id, op in self._ops.items():  # running ops (few: the budget bounds them) are skipped
+            if op.state is not PrefetchState.RUNNING:
+                drop.append(op_id)
+                if len(drop) == excess:
+                    break
+        for op_id in drop:
+            del self._ops[op_id]
 
     def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
         # Copies to L1 read host pages that the op's pin keeps in place: they land first.

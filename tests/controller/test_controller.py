@@ -350,3 +350,40 @@ def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_
         ctl.release("e1", again.lock_id, None)
     assert ctl.close_session("s") > 0
     assert ctl.close_session("s") == 0  # recently closed: a no-op
+
+
+def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(make) -> None:
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(3)]
+    for tokens in prompts:
+        eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    ctl.prefetcher._keep = 1
+    gate = threading.Event()
+    backend = ctl.l3.backend
+    real = backend._read_into
+
+    def held(keys, buffers):
+        assert gate.wait(10)
+        return real(keys, buffers)
+
+    backend._read_into = held  # type: ignore[method-assign]
+    try:
+        a = ctl.match("e1", MatchRequest("", prompts[0], lock=True, prefetch=True))
+        b = ctl.match("e1", MatchRequest("", prompts[1], lock=True, prefetch=True))
+        # Over the limit, but both run: neither is forgotten.
+        assert ctl.prefetch_status(a.prefetch_id).state is PrefetchState.RUNNING
+        assert ctl.prefetch_status(b.prefetch_id).state is PrefetchState.RUNNING
+    finally:
+        gate.set()
+    assert ctl.prefetcher.worker.drain(10)
+    c = ctl.match("e1", MatchRequest("", prompts[2], lock=True, prefetch=True))
+    assert ctl.prefetcher.worker.drain(10)
+    with pytest.raises(NotFound):
+        ctl.prefetch_status(a.prefetch_id)  # finished and oldest: forgotten
+    assert ctl.prefetch_status(c.prefetch_id).state is PrefetchState.DONE
+    for m in (a, b, c):
+        ctl.release("e1", m.lock_id, None)
