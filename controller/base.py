@@ -13,6 +13,7 @@ controller releases them and counts it.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -246,6 +247,12 @@ class CacheService(abc.ABC):
 
     @abc.abstractmethod
     def close_session(self, session_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def batched(self) -> contextlib.AbstractContextManager[None]:
+        """Scope of one Batch call: background work its ops start (write-through copies)
+        may wait for the scope's end and go together. Nothing in the scope may wait for
+        that work (an allocation that needs it releases it at once)."""
 
     @abc.abstractmethod
     def stats(self) -> StatsSnapshot: ...

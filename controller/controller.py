@@ -8,6 +8,7 @@ Every transfer moves a whole family (a component and its sidecars share page ids
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -380,6 +381,16 @@ class HybridCacheController(CacheService):
                     self.tree.unlock(record.tree_lock)
             if allocation_id:
                 self._free_allocation(self._engines.pop_allocation(engine_id, allocation_id))
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        with self._mu:
+            self.transfers.hold_flushes()
+        try:
+            yield
+        finally:
+            with self._mu:
+                self.transfers.release_flushes()
 
     def close_session(self, session_id: str) -> int:
         if not session_id:

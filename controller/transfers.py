@@ -100,6 +100,7 @@ class Transfers:
         # L1->L2 write-through copies waiting for the copy worker's next flush, in order.
         self._pending_l2: list[HostCopy] = []
         self._flush_queued = False
+        self._flush_holds = 0  # Batch calls under way: their copies wait to go together
         # Allocators and evict-ahead counts by tier and kind, looked up once.
         self._allocators = {
             Tier.DEVICE: {k: ctl.device.allocator(k) for k in ctl._kinds},
@@ -125,6 +126,8 @@ class Transfers:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued copy (L1->L2, then L2->L3) has landed."""
+        with self.ctl._mu:
+            self._schedule_l2_flush(urgent=True)
         deadline = time.monotonic() + timeout_s
         ok = self.copy_worker.drain(timeout_s)
         return self.backup_worker.drain(max(0.0, deadline - time.monotonic())) and ok
@@ -166,6 +169,7 @@ class Transfers:
                     f"{alloc.free_count} free and the rest locked"
                 )
             self.stats["allocation_waits"] += 1
+            self._schedule_l2_flush(urgent=True)  # a held flush must not be waited for
             self.landed.wait(min(left, 0.05))
 
     def free_l1(self, kind: ComponentKind, ids: np.ndarray) -> None:
@@ -353,10 +357,23 @@ class Transfers:
         self._pending_l2.append(HostCopy(node, slots, self.tree.pin(node)))
         self._schedule_l2_flush()
 
-    def _schedule_l2_flush(self) -> None:
+    def hold_flushes(self) -> None:
+        """Caller holds the mutex. Copies queued from now on wait for `release_flushes`
+        (one flush for a whole Batch call instead of a worker racing its ops)."""
+        self._flush_holds += 1
+
+    def release_flushes(self) -> None:
+        """Caller holds the mutex."""
+        self._flush_holds -= 1
+        self._schedule_l2_flush()
+
+    def _schedule_l2_flush(self, urgent: bool = False) -> None:
         """Caller holds the mutex. At most one flush job waits in the copy worker's queue:
-        it takes whatever is pending when it runs, so later copies ride along."""
+        it takes whatever is pending when it runs, so later copies ride along. Held
+        during a Batch call unless `urgent` (someone waits for the copies)."""
         if self._flush_queued or not self._pending_l2:
+            return
+        if self._flush_holds and not urgent:
             return
         self._flush_queued = True
         if not self.copy_worker.submit(Job("l1-to-l2", self._flush_l2, lambda _e: None)):

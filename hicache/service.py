@@ -150,11 +150,16 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Batch(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         principal = current_principal()
+        response = pb.BatchResponse()
+        with self._core.batched():
+            self._run_batch(request.ops, engine, principal, response)
+        return response
+
+    def _run_batch(self, ops_in: Any, engine: str, principal: Any, response: Any) -> None:
         restricted = not principal.unrestricted  # checked once per call, not per op
         ops, into = self._ops, self._into
-        response = pb.BatchResponse()
         add_result = response.results.add
-        for i, op in enumerate(request.ops):
+        for i, op in enumerate(ops_in):
             kind = op.WhichOneof("op")
             result = add_result()
             try:
@@ -172,7 +177,6 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 code, message = op_status(exc, f"Batch op {i} ({kind})")
                 result.status.code = code.value[0]
                 result.status.message = f"op {i} ({kind}): {message}"
-        return response
 
 
 class AdminServicer(apb_grpc.AdminServicer):
