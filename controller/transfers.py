@@ -760,6 +760,8 @@ class Transfers:
             return 0
         # NOTE: jobs already queued land first. A node whose L3 write is still queued is
         # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
+        with self.ctl._mu:
+            self._schedule_l2_flush(urgent=True)  # copies a Batch call holds go now
         self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
         self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
