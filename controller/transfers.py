@@ -74,6 +74,22 @@ class HostCopy:
     moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
+def _per_family(moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]]
+                ) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
+    """(kind, source ids, destination ids) joined per family, first-seen order: one copy
+    engine call per family."""
+    by_kind: dict[ComponentKind, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    for kind, src, dst in moves:
+        srcs, dsts = by_kind.setdefault(kind, ([], []))
+        srcs.append(src)
+        dsts.append(dst)
+    return [(kind, _cat(srcs), _cat(dsts)) for kind, (srcs, dsts) in by_kind.items()]
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 class Transfers:
     def __init__(self, ctl: HybridCacheController, copier: CopyEngine) -> None:
         self.ctl = ctl
@@ -242,17 +258,14 @@ class Transfers:
         return None
 
     def _l1_victim(self, victim: Victim) -> None:
-        """A slot leaving L1: under write_back it goes to L2 first (only what L2 lacks)."""
-        if self.cfg.write.l1_to_l2 is not WritePolicy.WRITE_BACK:
-            return
+        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks)."""
         self.backup_to_host(victim.node)
 
     def _l2_victim(self, victim: Victim) -> None:
-        """A slot leaving L2: under write_back it goes to L3 first. Its host pages are
-        held, so the eviction's free parks them until the write finished: nothing on the
-        serving path waits on L3."""
-        if (self.cfg.write.l2_to_l3 is not WritePolicy.WRITE_BACK or self.ctl.l3 is None
-                or self.tree.is_resident(victim.node, FULL, Tier.STORAGE)):
+        """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
+        are held, so the eviction's free parks them until the write finished: nothing on
+        the serving path waits on L3."""
+        if self.tree.is_resident(victim.node, FULL, Tier.STORAGE):
             return
         namespace = self.tree.namespace_of(victim.node)
         hashes = victim.hashes()
@@ -279,17 +292,18 @@ class Transfers:
 
     def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:
         """The nodes that now hold the last `pages` pages of the path to `end`, root
-        first, each with its slice [lo, hi) of those pages."""
-        path = self.tree.path_to(end)
+        first, each with its slice [lo, hi) of those pages: `end` alone unless a match
+        split it while a copy ran (the object is the tail, new parents hold the head)."""
         out: list[tuple[object, int, int]] = []
         hi = pages
-        for node in reversed(path):
-            if hi <= 0:
-                break
-            n = (self.tree.depth_tokens(node) - self.tree.depth_tokens(self.tree.parent_of(node))) // self.ctl._ps
+        node: object | None = end
+        while hi > 0 and node is not None:
+            n = self._pages_in(node)
             out.append((node, max(0, hi - n), hi))
             hi -= n
-        return list(reversed(out))
+            node = self.tree.parent_of(node)
+        out.reverse()
+        return out
 
     def _drop_in_flight(self, kind: ComponentKind, ids: np.ndarray) -> None:
         held = self._in_flight.get(kind, [])
@@ -298,14 +312,21 @@ class Transfers:
                 del held[i]
                 return
 
+    def _missing_in_host(self, node: object) -> list[tuple[ComponentKind, np.ndarray]]:
+        """(kind, L1 pages) of each family slot of `node` that L1 holds and L2 lacks,
+        FULL first."""
+        out = []
+        for kind in self.ctl._kinds:
+            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
+            if dev is not None and not self.tree.is_resident(node, kind, Tier.HOST):
+                out.append((kind, dev))
+        return out
+
     def _host_copies(self, node: object) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
         """(kind, L1 pages, fresh L2 pages) for each family slot of `node` that L2 lacks,
         FULL first; stops (counted) when L2 has no room."""
         moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
-        for kind in self.ctl._kinds:
-            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
-            if dev is None or self.tree.is_resident(node, kind, Tier.HOST):
-                continue
+        for kind, dev in self._missing_in_host(node):
             try:
                 moves.append((kind, dev, self.allocate_l2(kind, len(dev))))
             except ResourceExhausted:
@@ -346,11 +367,7 @@ class Transfers:
         order they were queued (up to `FLUSH_PAGES` pages; the rest take the next)."""
         if id(node) in self._queued_l2:
             return
-        slots = []
-        for kind in self.ctl._kinds:
-            dev = self.tree.pages_of(node, kind, Tier.DEVICE)
-            if dev is not None and not self.tree.is_resident(node, kind, Tier.HOST):
-                slots.append((kind, dev))
+        slots = self._missing_in_host(node)
         if not slots:
             return
         self._queued_l2.add(id(node))
@@ -399,17 +416,9 @@ class Transfers:
             with self.ctl._mu:
                 self.stats["l2_flushes"] += 1
                 self._reserve_host(batch)
-            by_kind: dict[ComponentKind, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-            for copy in batch:
-                for kind, dev, host_ids in copy.moves:
-                    devs, hosts = by_kind.setdefault(kind, ([], []))
-                    devs.append(dev)
-                    hosts.append(host_ids)
-            for kind, (devs, hosts) in by_kind.items():
-                if len(devs) == 1:
-                    self.copier.device_to_host(kind, devs[0], hosts[0])
-                else:
-                    self.copier.device_to_host(kind, np.concatenate(devs), np.concatenate(hosts))
+            moves = [(kind, dev, host_ids) for copy in batch for kind, dev, host_ids in copy.moves]
+            for kind, dev, host_ids in _per_family(moves):
+                self.copier.device_to_host(kind, dev, host_ids)
         except BaseException:
             self._land_l2(batch, copied=False)
             raise
@@ -470,10 +479,7 @@ class Transfers:
                     self._queued_l2.discard(id(node))
                     self.tree.unlock(copy.pin)
                     continue
-                # NOTE: a match may have split the node meanwhile; the pinned object is the
-                # tail, its new parents hold the head of the copied span.
-                n = len(moves[0][1]) if moves[0][0] is not MAMBA else 1
-                span = [(node, 0, n)] if self._pages_in(node) == n else self._span(node, n)
+                span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
                 for kind, _dev, host_ids in moves:
                     self._drop_in_flight(kind, host_ids)
                     parts = [(node, 0, 1)] if kind is MAMBA else span
@@ -623,13 +629,8 @@ class Transfers:
     def copy_to_l1(self, moves: list[L1Move], on_layer: LayerCallback | None = None) -> None:
         """Copy the moves (no mutex: their nodes are locked, their L1 pages reserved), one
         engine call per family; small families first, FULL last reports `on_layer`."""
-        by_kind: dict[ComponentKind, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for _, kind, host_ids, dev_ids in moves:
-            by_kind.setdefault(kind, []).append((host_ids, dev_ids))
-        for kind in sorted(by_kind, key=lambda k: k is FULL):
-            pairs = by_kind[kind]
-            host = pairs[0][0] if len(pairs) == 1 else np.concatenate([h for h, _ in pairs])
-            dev = pairs[0][1] if len(pairs) == 1 else np.concatenate([d for _, d in pairs])
+        families = _per_family([(kind, host_ids, dev) for _, kind, host_ids, dev in moves])
+        for kind, host, dev in sorted(families, key=lambda f: f[0] is FULL):
             self.copier.host_to_device(kind, host, dev, on_layer=on_layer if kind is FULL else None)
 
     def land_in_l1(self, moves: list[L1Move]) -> int:
@@ -638,13 +639,10 @@ class Transfers:
         there first), whose L2 pages are no longer the ones copied, or (FULL) whose parent
         is not in L1 (L1 holds prefixes), frees its L1 pages. Moves land root first.
         NOTE: a match may have split a node meanwhile; the object is the tail, its new
-        parents hold the head of the copied span."""
+        parents hold the head of the copied span (`_span`)."""
         landed = 0
         for node, kind, host_ids, dev in sorted(moves, key=lambda m: m[1] is not FULL):
-            if kind is MAMBA or self._pages_in(node) == len(dev):
-                parts = [(node, 0, len(dev))]
-            else:
-                parts = self._span(node, len(dev))
+            parts = [(node, 0, len(dev))] if kind is MAMBA else self._span(node, len(dev))
             for part, lo, hi in parts:
                 there = self.tree.pages_of(part, kind, Tier.HOST) if self.tree.is_live(part) else None
                 above = self.tree.parent_of(part) if kind is FULL else None
@@ -760,10 +758,7 @@ class Transfers:
             return 0
         # NOTE: jobs already queued land first. A node whose L3 write is still queued is
         # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
-        with self.ctl._mu:
-            self._schedule_l2_flush(urgent=True)  # copies a Batch call holds go now
-        self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
-        self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
+        self.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
                 if not self.tree.is_resident(node, FULL, Tier.HOST):
@@ -772,8 +767,7 @@ class Transfers:
                     node, FULL, Tier.STORAGE
                 ):
                     self.backup_to_storage(node)
-        self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
-        self.backup_worker.drain(max(0.0, deadline - time.monotonic()))
+        self.drain(max(0.0, deadline - time.monotonic()))
         return self.stats["backups_l3"] - before
 
     # ------------------------------------------------------------------ audit
