@@ -59,9 +59,8 @@ class PrefetchOp:
     page_size: int = 1
     pin: TreeLock | None = None  # holds the path the next batch continues
     to_l1: bool = False  # also copy committed batches into free L1 pages
-    l1_moves: list[list[L1Move]] = field(default_factory=list)  # copies in flight (mutex)
-    l1_pending: int = 0  # copies not landed yet (under l1_cond)
-    l1_cond: threading.Condition = field(default_factory=threading.Condition)
+    # Copies to L1 not landed yet, oldest batch first (mutex; `Prefetcher.l1_landed`).
+    l1_moves: list[list[L1Move]] = field(default_factory=list)
     # A batch that did not land whole in L1: later batches must not land below the gap
     # (L1 holds a prefix), so they are freed instead (mutex).
     l1_broken: bool = False
@@ -90,6 +89,8 @@ class Prefetcher:
         self.tree = ctl.tree
         self.worker = Worker("prefetch", capacity=256, retries=0)  # not idempotent: no retry
         self.l1_worker = Worker("prefetch-to-l1", capacity=256, retries=0)
+        # Notified (mutex held) whenever a copy to L1 lands or is given up.
+        self.l1_landed = threading.Condition(ctl._mu)
         self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
         self._ids = itertools.count(1)
         self._keep = keep_finished
@@ -304,8 +305,6 @@ class Prefetcher:
             return []
         if moves:
             op.l1_moves.append(moves)
-            with op.l1_cond:
-                op.l1_pending += 1
         return moves
 
     def _copy_to_l1(self, op: PrefetchOp, moves: list[L1Move], inline: bool) -> None:
@@ -319,9 +318,9 @@ class Prefetcher:
                 log.exception("prefetch %d: copy to L1 failed", op.op_id)
                 self._l1_done(op, moves, copied=False)
                 return
-            with op.l1_cond:
-                while op.l1_pending > 1:  # earlier batches still on the worker
-                    op.l1_cond.wait()
+            with self.ctl._mu:
+                while op.l1_moves and op.l1_moves[0] is not moves:  # earlier ones on the worker
+                    self.l1_landed.wait()
             self._l1_done(op, moves, copied=True)
             return
 
@@ -357,9 +356,7 @@ class Prefetcher:
                 if op.l1_broken:
                     op.to_l1 = False
             finally:
-                with op.l1_cond:
-                    op.l1_pending -= 1
-                    op.l1_cond.notify_all()
+                self.l1_landed.notify_all()
 
     def _mark_in_storage(self, op: PrefetchOp, end: object | None, lo: int, hi: int,
                          checkpoint: bool) -> None:
@@ -410,10 +407,9 @@ class Prefetcher:
 
     def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
         # Copies to L1 read host pages that the op's pin keeps in place: they land first.
-        with op.l1_cond:
-            while op.l1_pending:
-                op.l1_cond.wait()
         with self.ctl._mu:
+            while op.l1_moves:
+                self.l1_landed.wait()
             self._finish_locked(op, outcome)
 
     def _finish_locked(self, op: PrefetchOp, outcome: PrefetchState) -> None:
