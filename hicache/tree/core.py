@@ -428,14 +428,10 @@ class HiRadixTree:
         node.lock[ci] = after
         mask = node.mask[ci]
         if mask and (before == 0) != (after == 0):
-            pages = (node.npages if comp.per_page else 1) * delta
-            locked = self._locked
-            if mask & 1:
-                locked[0][ci] += pages
-            if mask & 2:
-                locked[1][ci] += pages
-            if mask & 4:
-                locked[2][ci] += pages
+            pages = comp.slot_pages(node) * delta
+            for tier, row in enumerate(self._locked):
+                if mask & (1 << tier):
+                    row[ci] += pages
 
     # ------------------------------------------------------------------ insert
 
@@ -797,13 +793,23 @@ class HiRadixTree:
         """A child's FULL slot arrived in `tier`: the parent's other slots may now drop
         data the child covers (SWA outside the kept window)."""
         parent.nres[tier] += 1
+        if parent.parent is not None:
+            self._offer_windows(parent, tier)
+
+    def _after_full_left(self, parent: Node, tier: int) -> None:
+        """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and
+        SWA data above may have fallen out of every kept window."""
         if parent.parent is None:
             return
+        self._queues[tier][FULL_INDEX].offer(parent)
+        self._offer_windows(parent, tier)
+
+    def _offer_windows(self, parent: Node, tier: int) -> None:
+        """The path below `parent` changed in `tier`: for child-sensitive components every
+        node within a window above it may now hold data outside every kept window (a slot
+        popped earlier as wholly kept lost its queue mark and must be offered again)."""
         queues = self._queues[tier]
         for ci in self._child_sensitive:
-            # The path below grew: every node within a window of the old end may now
-            # hold data outside every kept window (a slot popped earlier as wholly kept
-            # lost its queue mark and must be offered again).
             window = self.components[ci].window_pages
             queue = queues[ci]
             marked = queue.bit
@@ -816,22 +822,6 @@ class HiRadixTree:
                 if dist >= window:
                     break
                 node = node.parent
-
-    def _after_full_left(self, parent: Node, tier: int) -> None:
-        """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and
-        SWA data above may have fallen out of every kept window."""
-        if parent.parent is None:
-            return
-        self._queues[tier][FULL_INDEX].offer(parent)
-        for comp in self._others:
-            window = comp.window_pages
-            if window:
-                node: Node | None = parent
-                dist = 0
-                while node is not None and node.parent is not None and dist < window:
-                    self._queues[tier][comp.index].offer(node)
-                    dist += node.npages
-                    node = node.parent
 
     # ------------------------------------------------------------------ eviction
 
