@@ -30,8 +30,8 @@ from hicache.config import GiB, HicacheConfig, MemberSpec
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
+from hicache.tiers.pool import checked_ids
 from hicache.tiers.prefault import Prefaulter
-from hicache.tiers.rows import checked_ids
 from hicache.types import ComponentKind, HostLayout
 
 __all__ = [

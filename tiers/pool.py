@@ -95,35 +95,47 @@ class PageAllocator(Allocator):
         )
 
     def _validated(self, ids: PageIds, allow_repeats: bool = False) -> npt.NDArray[np.int64]:
-        arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgument(
-                f"{self._name}: page ids must be a 1-D integer array "
-                f"(got shape {arr.shape}, dtype {arr.dtype})"
-            )
-        batch = arr.astype(np.int64, copy=False)
-        n = batch.size
-        if n == 0:
-            return batch
-        if n <= _SMALL:
-            listed = batch.tolist()
-            in_range = min(listed) >= 0 and max(listed) < self._total
-            repeated = not allow_repeats and n > 1 and len(set(listed)) != n
-        else:
-            in_range = int(batch.min()) >= 0 and int(batch.max()) < self._total
-            ordered = np.sort(batch) if not allow_repeats else batch
-            repeated = not allow_repeats and bool((ordered[1:] == ordered[:-1]).any())
-        if not in_range:
-            bad = batch[(batch < 0) | (batch >= self._total)]
-            raise InvalidArgument(
-                f"{self._name}: page ids {_show(bad)} out of range [0, {self._total})"
-            )
-        if repeated:
-            uniq, counts = np.unique(batch, return_counts=True)
-            raise InvalidArgument(
-                f"{self._name}: page ids {_show(uniq[counts > 1])} repeated in one batch"
-            )
+        batch = checked_ids(ids, self._total, f"{self._name}: page ids")
+        if not allow_repeats:
+            twice = repeated_ids(batch)
+            if twice.size:
+                raise InvalidArgument(f"{self._name}: page ids {_show(twice)} repeated in one batch")
         return batch
+
+
+def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
+    """`ids` as int64, or `InvalidArgument` (naming `what` and the bad ids) if they are not
+    1-D integers within ``[0, pages)``."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgument(
+            f"{what} must be a 1-D integer array (got shape {arr.shape}, dtype {arr.dtype})"
+        )
+    out = arr.astype(np.int64, copy=False)
+    n = out.size
+    if n == 0:
+        return out
+    if n <= _SMALL:
+        listed = out.tolist()
+        lo, hi = min(listed), max(listed)
+    else:
+        lo, hi = int(out.min()), int(out.max())
+    if lo < 0 or hi >= pages:
+        bad = out[(out < 0) | (out >= pages)]
+        raise InvalidArgument(f"{what} {_show(bad)} out of range [0, {pages})")
+    return out
+
+
+def repeated_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The ids that appear more than once in `ids` (sorted; empty when all differ)."""
+    n = int(ids.size)
+    if n <= _SMALL:
+        if len(set(ids.tolist())) == n:
+            return ids[:0]
+    elif bool((np.diff(ids) > 0).all()):  # ascending (allocator order): distinct, no sort
+        return ids[:0]
+    uniq, counts = np.unique(ids, return_counts=True)
+    return uniq[counts > 1]
 
 
 def _show(ids: npt.NDArray[np.int64]) -> str:

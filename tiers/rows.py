@@ -19,6 +19,7 @@ import torch
 
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import MemberPools, PageIds
+from hicache.tiers.pool import checked_ids, repeated_ids
 from hicache.types import ComponentKind
 
 MIN_RUN = 16  # average run length (pages) from which run-wise copies beat index ops
@@ -148,30 +149,6 @@ def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return widen(torch.from_numpy(grid))
 
 
-def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
-    """`ids` as int64, or `InvalidArgument` if not 1-D integers within ``[0, pages)``."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidArgument(f"{what}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
-    out = arr.astype(np.int64, copy=False)
-    if out.size and (int(out.min()) < 0 or int(out.max()) >= pages):
-        bad = out[(out < 0) | (out >= pages)]
-        raise InvalidArgument(f"{what} {bad[:8].tolist()} out of range [0, {pages})")
-    return out
-
-
-def _repeated(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """The ids that appear more than once (sorted; empty when all are distinct)."""
-    n = int(ids.size)
-    if n <= SMALL_COPY_PAGES:
-        if len(set(ids.tolist())) == n:
-            return ids[:0]
-    elif bool((np.diff(ids) > 0).all()):  # ascending (allocator order): distinct, no sort
-        return ids[:0]
-    uniq, counts = np.unique(ids, return_counts=True)
-    return uniq[counts > 1]
-
-
 def validate_copy(
     family: ComponentKind,
     src: MemberPools,
@@ -192,7 +169,7 @@ def validate_copy(
         raise InvalidArgument(
             f"{family.value}: {s.size} {names[0]} ids but {d.size} {names[1]} ids"
         )
-    twice = _repeated(d)
+    twice = repeated_ids(d)
     if twice.size:
         raise InvalidArgument(f"{family.value}: {names[1]} ids {twice[:8].tolist()} appear twice")
     return s, d

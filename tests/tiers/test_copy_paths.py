@@ -13,7 +13,7 @@ import torch
 from tierkit import tiny_config
 
 import hicache.tiers.copy as copy_mod
-import hicache.tiers.rows as rows_mod
+import hicache.tiers.pool as pool_mod
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, MemberPools
 from hicache.tiers.copy import CpuCopyEngine
@@ -181,14 +181,14 @@ def test_repeated_destination_ids_are_refused_on_every_check_path(
     # Small batch (set check), large unsorted batch (np.unique) -- and a large ascending one
     # passes without a sort.
     monkeypatch.setattr(copy_mod, "SMALL_COPY_PAGES", 2)
-    monkeypatch.setattr(rows_mod, "SMALL_COPY_PAGES", 2)
+    monkeypatch.setattr(pool_mod, "_SMALL", 2)  # the id checks' list-or-array threshold
     with pytest.raises(InvalidArgument, match=r"L2 ids \[4\] appear twice"):
         engine.device_to_host(FULL, np.array([0, 1]), np.array([4, 4]))
     with pytest.raises(InvalidArgument, match=r"L2 ids \[9\] appear twice"):
         engine.device_to_host(FULL, np.arange(4), np.array([9, 3, 9, 1]))
     with pytest.raises(InvalidArgument, match=r"L2 ids \[2\] appear twice"):
         engine.device_to_host(FULL, np.arange(4), np.array([1, 2, 2, 3]))
-    with pytest.raises(InvalidArgument, match="expected a 1-D integer array"):
+    with pytest.raises(InvalidArgument, match="L1 ids must be a 1-D integer array"):
         engine.device_to_host(FULL, np.array([0.0]), np.array([1]))
     assert_same(snapshot(host), before)
     engine.device_to_host(FULL, np.arange(4), np.array([1, 2, 5, 30]))
