@@ -4,11 +4,12 @@ member) into the L1 pages it is given, and checks every reused page byte for byt
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 
 from hicache.config import HicacheConfig, build_config
-from hicache.controller.base import InsertRequest, MatchRequest
+from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController
 from hicache.keys import chain_hashes, chain_seed
 from hicache.types import ComponentKind, Tier
@@ -62,6 +63,15 @@ def evict_all(ctl, *tiers: Tier) -> None:
             pools = ctl.device if tier is Tier.DEVICE else ctl.host
             for kind in ctl._kinds:
                 ctl.transfers._evict(tier, kind, pools.allocator(kind).total)
+
+
+def wait_prefetch(ctl, prefetch_id: int, timeout_s: float = 10.0):
+    """Poll the prefetch until it leaves RUNNING (at most `timeout_s`); its final state."""
+    deadline = time.monotonic() + timeout_s
+    while (state := ctl.prefetch_status(prefetch_id).state) is PrefetchState.RUNNING:
+        assert time.monotonic() < deadline, f"prefetch {prefetch_id} still running"
+        time.sleep(0.005)
+    return state
 
 
 class Engine:

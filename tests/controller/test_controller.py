@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, seq
+from engine_sim import Engine, evict_all, seq, wait_prefetch
 
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest, PrefetchState
 from hicache.convert import canonical_counters
@@ -32,11 +32,7 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     puts = ctl.l3.backend.stats().puts
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
     assert m.prefetch_id
-    for _ in range(200):
-        if ctl.prefetch_status(m.prefetch_id).state is not PrefetchState.RUNNING:
-            break
-        time.sleep(0.01)
-    assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
     ctl.release("e1", m.lock_id, None)
     m2 = ctl.match("e1", MatchRequest("", tokens))
     # L1 had free pages: each batch followed the (empty) L1 prefix up from L2.

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import Engine, evict_all, tiny_config, toks
+from engine_sim import Engine, evict_all, tiny_config, toks, wait_prefetch
 
 from hicache.controller.base import (
     L3_OP_BUCKETS,
@@ -141,11 +141,7 @@ def test_backup_lookup_prefetch_and_probe_are_timed_against_the_file_backend(ctl
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))  # exists, then get
     assert m.storage_tokens == 24 and m.prefetch_id
-    deadline = time.monotonic() + 10
-    while ctl.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
     ctl.release("e1", m.lock_id, None)
     assert ctl.health(deep=True)[0].healthy
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, seq
+from engine_sim import Engine, evict_all, seq, wait_prefetch
 
 import hicache.controller.prefetch as pf
 from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
@@ -29,11 +29,7 @@ def _prefetch(ctl, tokens: bytes) -> None:
     """Match with a prefetch, wait for it to finish, release the lock."""
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
     assert m.prefetch_id
-    for _ in range(500):
-        if ctl.prefetch_status(m.prefetch_id).state is not PrefetchState.RUNNING:
-            break
-        time.sleep(0.01)
-    assert ctl.prefetch_status(m.prefetch_id).state is PrefetchState.DONE
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
     ctl.release("e1", m.lock_id, None)
 
 
