@@ -40,8 +40,10 @@ MAGIC = b"HKV\x01"
 _HEADER = struct.Struct("<4sHHQQ16s")
 _FIELDS = _HEADER.size  # 40 bytes of fields; the rest of the header is zero padding
 _PAD = bytes(HEADER_BYTES - _FIELDS)
-# magic, version and reserved: the first 8 header bytes, the same in every object.
-_PREFIX = np.frombuffer(struct.pack("<4sHH", MAGIC, FORMAT_VERSION, 0), dtype=np.uint8)
+# The same fields as rows of a numpy array, for building a batch's headers at once.
+_ROW = np.dtype([("magic", "S4"), ("version", "<u2"), ("reserved", "<u2"), ("length", "<u8"),
+                 ("checksum", "<u8"), ("key", "S16"), ("pad", f"V{HEADER_BYTES - _FIELDS}")])
+assert _ROW.itemsize == HEADER_BYTES
 _checksum = xxhash.xxh3_64_intdigest
 
 
@@ -63,21 +65,17 @@ def write_header(obj: np.ndarray, key: str) -> None:
 
     Mutates only the header area; the payload is read, never changed.
     """
-    view = obj.data
-    length = len(view) - HEADER_BYTES
-    checksum = _checksum(view[HEADER_BYTES:])
-    _HEADER.pack_into(view, 0, MAGIC, FORMAT_VERSION, 0, length, checksum, key_digest(key))
-    view[_FIELDS:HEADER_BYTES] = _PAD
+    write_headers([obj], [key])
 
 
 def write_headers(objs: Sequence[np.ndarray], keys: Sequence[str]) -> None:
-    """`write_header` for every (object, key) pair: the same bytes, built in one numpy pass.
+    """`write_header` for every (object, key) pair, built in one numpy pass.
 
     Mutates only the header areas."""
     if not objs:
         return
     views = [obj.data for obj in objs]
-    rows = _header_rows(views, keys, HEADER_BYTES).reshape(-1).data
+    rows = _header_rows(views, keys).view(np.uint8).data
     at = 0
     for view in views:
         view[:HEADER_BYTES] = rows[at : at + HEADER_BYTES]
@@ -104,22 +102,19 @@ def verified_objects(
         return []
     views = [obj.data for obj in objs]
     got = np.frombuffer(b"".join([view[:_FIELDS] for view in views]), dtype=np.uint8)
-    expected = _header_rows(views, keys, _FIELDS)
+    expected = _header_rows(views, keys).view(np.uint8).reshape(n, HEADER_BYTES)[:, :_FIELDS]
     return (got.reshape(n, _FIELDS) == expected).all(axis=1).tolist()  # type: ignore[no-any-return]
 
 
-def _header_rows(views: Sequence[memoryview], keys: Sequence[str], width: int) -> np.ndarray:
-    """The first `width` bytes (40 or 64) of each object's correct header, one row each;
-    hashes every payload (the only per-object work, besides the key digest)."""
-    n = len(views)
-    rows = np.zeros((n, width), dtype=np.uint8)
-    rows[:, 0:8] = _PREFIX
-    lengths = np.array([len(view) - HEADER_BYTES for view in views], dtype="<u8")
-    rows[:, 8:16] = lengths.view(np.uint8).reshape(n, 8)
-    sums = np.array([_checksum(view[HEADER_BYTES:]) for view in views], dtype="<u8")
-    rows[:, 16:24] = sums.view(np.uint8).reshape(n, 8)
-    digests = np.frombuffer(b"".join(map(key_digest, keys)), dtype=np.uint8)
-    rows[:, 24:40] = digests.reshape(n, 16)
+def _header_rows(views: Sequence[memoryview], keys: Sequence[str]) -> np.ndarray:
+    """Each object's correct header, one `_ROW` each; hashes every payload (the only
+    per-object work, besides the key digest)."""
+    rows = np.zeros(len(views), dtype=_ROW)
+    rows["magic"] = MAGIC
+    rows["version"] = FORMAT_VERSION
+    rows["length"] = [len(view) - HEADER_BYTES for view in views]
+    rows["checksum"] = [_checksum(view[HEADER_BYTES:]) for view in views]
+    rows["key"] = [key_digest(key) for key in keys]
     return rows
 
 

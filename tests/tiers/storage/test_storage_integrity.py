@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import xxhash
 
 from hicache.errors import ObjectCorrupt
 from hicache.tiers.storage.integrity import (
+    FORMAT_VERSION,
     HEADER_BYTES,
     MAGIC,
     check_object,
+    key_digest,
     verified_objects,
     write_header,
     write_headers,
@@ -66,13 +71,17 @@ def _batch(payloads: list[int]) -> tuple[list[np.ndarray], list[str]]:
     return objs, [f"ns/{i}:full" for i in range(len(objs))]
 
 
-def test_batch_headers_are_the_bytes_of_the_single_object_codec() -> None:
+def test_batch_headers_are_the_documented_layout() -> None:
+    """Built independently here: magic, version, reserved, payload length, checksum and
+    key digest, little-endian, zero padding to 64 bytes; the payload is untouched."""
     objs, keys = _batch([256, 4096, 256, 1000])
-    singles = [obj.copy() for obj in objs]
+    payloads = [obj[HEADER_BYTES:].copy() for obj in objs]
     write_headers(objs, keys)
-    for obj, single, key in zip(objs, singles, keys, strict=True):
-        write_header(single, key)
-        np.testing.assert_array_equal(obj, single)  # header and pad equal, payload untouched
+    for obj, payload, key in zip(objs, payloads, keys, strict=True):
+        want = struct.pack("<4sHHQQ16s", MAGIC, FORMAT_VERSION, 0, payload.size,
+                           xxhash.xxh3_64_intdigest(payload.tobytes()), key_digest(key))
+        assert bytes(obj[:HEADER_BYTES]) == want + bytes(HEADER_BYTES - len(want))
+        np.testing.assert_array_equal(obj[HEADER_BYTES:], payload)
 
 
 def test_batch_verification_agrees_with_check_object_on_every_corruption() -> None:
