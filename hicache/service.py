@@ -32,11 +32,14 @@ log = logging.getLogger("hicache.service")
 
 ENGINE_HEADER = "x-hicache-engine"
 
-Op = Callable[[str, Any], Any]
-"""One op: (engine_id, request message) -> response message."""
+Op = Callable[..., Any]
+"""One op: (engine_id, request message) -> response message; the FILLED_IN_PLACE ones take
+a third argument, the response message to fill."""
 
-IntoOp = Callable[[str, Any, Any], Any]
-"""A hot op for Batch: (engine_id, request, the result's response field to fill in place)."""
+
+# Batch ops whose op fills the result's response field in place (the ops of a typical
+# Batch: no response copy); the others' responses are copied in.
+FILLED_IN_PLACE = frozenset({"match_prefix", "insert"})
 
 
 def engine_of(context: grpc.ServicerContext) -> str:
@@ -65,11 +68,6 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             "release": self._release,
             "close_session": self._close_session,
             "stats": self._stats,
-        }
-        # The ops of a typical Batch fill their result in place (no response copy).
-        self._into: dict[str, IntoOp] = {
-            "match_prefix": self._match,
-            "insert": self._insert,
         }
 
     # ------------------------------------------------------------------ ops
@@ -157,7 +155,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _run_batch(self, ops_in: Any, engine: str, principal: Any, response: Any) -> None:
         restricted = not principal.unrestricted  # checked once per call, not per op
-        ops, into = self._ops, self._into
+        ops = self._ops
         add_result = response.results.add
         for i, op in enumerate(ops_in):
             kind = op.WhichOneof("op")
@@ -168,9 +166,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 msg = getattr(op, kind)
                 if restricted:
                     principal.require_for(msg)
-                fill = into.get(kind)
-                if fill is not None:
-                    fill(engine, msg, getattr(result, kind))
+                if kind in FILLED_IN_PLACE:
+                    ops[kind](engine, msg, getattr(result, kind))
                 else:
                     getattr(result, kind).CopyFrom(ops[kind](engine, msg))
             except Exception as exc:
