@@ -56,10 +56,6 @@ def key_digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode("ascii"), digest_size=16).digest()
 
 
-def payload_checksum(payload: np.ndarray | memoryview) -> int:
-    return _checksum(payload if isinstance(payload, memoryview) else payload.data)
-
-
 def write_header(obj: np.ndarray, key: str) -> None:
     """Fill `obj[:HEADER_BYTES]` in place for the payload `obj[HEADER_BYTES:]` stored under `key`.
 
