@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import time
 import tracemalloc
@@ -42,6 +43,7 @@ class Figures:
     evictions: int
     metadata_bytes_per_page: float
     token_key_bytes_per_page: float
+    reused_tokens_mean: float  # device tokens a request resumed from (same work to compare)
 
 
 class _Pool:
@@ -103,6 +105,7 @@ def run_workload(
     system = rng.integers(0, 150_000, system_tokens, dtype=np.uint32)
     histories = [system.copy() for _ in range(conversations)]
     match_t: list[float] = []
+    reused = 0
     insert_t: list[float] = []
     evict_t: list[float] = []
     evictions = 0
@@ -118,13 +121,24 @@ def run_workload(
                 t0 = clock()
                 m = tree.match("", prompt, lock=True)
                 match_t.append(clock() - t0)
-                need = (len(prompt) // 4) // page_size - m.device_tokens // page_size
+                reused += m.device_tokens
+                total = (len(prompt) // 4) // page_size
+                start = m.device_tokens // page_size
+                need = total - start
+                # The tree knows more of the prompt than the hybrid boundary lets the
+                # engine reuse (a shared prefix whose MAMBA state was never kept): the
+                # engine recomputes from the boundary and, passing the junction, keeps
+                # the MAMBA state and SWA window there, as vLLM's fine-grained Mamba
+                # prefix cache does, so the next request resumes at the junction.
+                junction = m.matched_tokens // page_size if K.MAMBA in kinds else start
+                cuts = [start, junction, total] if start < junction < total else [start, total]
                 # Like an SWA engine, the simulated one keeps SWA KV only for the window
-                # at the end of the prompt: pages before it were freed during prefill and
+                # before each checkpoint: pages before it were freed during prefill and
                 # are passed as -1 (the tree records tombstones there).
-                swa_keep = min(need, window_pages)
+                keeps = [min(b - a, window_pages) for a, b in itertools.pairwise(cuts)]
+                wants = {K.FULL: need, K.SWA: sum(keeps), K.MAMBA: len(keeps)}
                 for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
-                    want = {K.FULL: need, K.SWA: swa_keep, K.MAMBA: 1}[kind]
+                    want = wants[kind]
                     # A component's own eviction first (SWA: out-of-window tombstones,
                     # MAMBA: checkpoints), then whole leaves, which free every slot.
                     for victim_kind in (kind, K.FULL):
@@ -135,16 +149,22 @@ def run_workload(
                         evict_t.append(clock() - t0)
                         evictions += 1
                         give_back(ev.freed)
-                new = {K.FULL: full.take(need)}
-                if K.SWA in kinds:
-                    ids = np.full(need, -1, dtype=np.int64)
-                    ids[need - swa_keep :] = swa.take(swa_keep)
-                    new[K.SWA] = ids
-                slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
-                t0 = clock()
-                r = tree.insert("", prompt, new, lock=m.lock, mamba_slot=slot)
-                insert_t.append(clock() - t0)
-                give_back(r.released)
+                full_ids = full.take(need)
+                spent = 0.0
+                for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+                    new = {K.FULL: full_ids[a - start : b - start]}
+                    if K.SWA in kinds:
+                        ids = np.full(b - a, -1, dtype=np.int64)
+                        ids[b - a - keeps[i] :] = swa.take(keeps[i])
+                        new[K.SWA] = ids
+                    slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
+                    last = b == total
+                    t0 = clock()
+                    r = tree.insert("", prompt if last else prompt[: b * page_size * 4], new,
+                                    lock=m.lock, keep_lock=not last, mamba_slot=slot)
+                    spent += clock() - t0
+                    give_back(r.released)
+                insert_t.append(spent)
     finally:
         gc.enable()
     tree.check_integrity()
@@ -157,7 +177,7 @@ def run_workload(
     return Figures(
         page_size, spec, budget_tokens, len(match_t),
         *_stats(match_t), *_stats(insert_t), *_stats(evict_t), evictions,
-        meta / max(1, cached), keys / max(1, cached),
+        meta / max(1, cached), keys / max(1, cached), reused / max(1, len(match_t)),
     )
 
 

@@ -28,6 +28,17 @@ def test_workload_under_eviction_accounts_for_every_page(spec: str) -> None:
     assert 0 < f.metadata_bytes_per_page < 1000
 
 
+def test_hybrid_resumes_where_full_does_under_eviction() -> None:
+    # Once a conversation's tail is evicted, FULL resumes at the shared system prompt. The
+    # simulated hybrid engine keeps a MAMBA checkpoint at that junction the first time it
+    # recomputes through it, so it resumes there too and both configurations do the same
+    # work (the ratio compares like with like).
+    full = bench.run_workload(64, "full", 16384, conversations=4, turns=6)
+    hybrid = bench.run_workload(64, "full,swa,mamba", 16384, conversations=4, turns=6)
+    assert full.reused_tokens_mean >= 2048
+    assert hybrid.reused_tokens_mean >= 0.9 * full.reused_tokens_mean
+
+
 def test_run_writes_the_figures_and_ratios(tmp_path) -> None:
     out = tmp_path / "tree.json"
     assert bench.run(parse("--quick", "--conversations", "3", "--turns", "2", "--rounds", "2",

@@ -36,10 +36,18 @@ class SwaComponent(Component):
         return False
 
     def split_breaks(self, provided: np.ndarray) -> list[int]:
-        absent = provided < 0
-        if not absent.any():
-            return []
-        return (np.flatnonzero(absent[1:] != absent[:-1]) + 1).tolist()
+        # The runs of present and absent ids, found with bytes.find over the mask: one
+        # numpy call, then C searches (usually one run of -1 then the window).
+        absent = (provided < 0).tobytes()
+        breaks: list[int] = []
+        pos = 0
+        state = absent[:1]
+        while True:
+            pos = absent.find(b"\x00" if state == b"\x01" else b"\x01", pos)
+            if pos < 0:
+                return breaks
+            breaks.append(pos)
+            state = absent[pos : pos + 1]
 
     def candidate_test(self, tier: int) -> Callable[[Node], bool]:
         # SWA goes alone only from nodes some child continues (in this tier): a leaf's
