@@ -45,7 +45,6 @@ STALE_TEMP_S = 600.0
 # thread that just read the object, on bytes still in the CPU cache).
 WRITE_THREADS = 2
 READ_THREADS = 1
-EXISTS_THREADS = 2
 MIN_PART = 16
 
 
@@ -164,22 +163,13 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------------ backend hooks
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
-        # Checked in parallel runs (a check is a syscall, run without the GIL); each run
-        # stops at its first miss, and the answer is the prefix up to the first miss.
-        parts = self._caller.map(self._exists_sync, [
-            (keys[lo : lo + n],) for lo, n in _runs(len(keys), EXISTS_THREADS)
-        ])
+        # One thread, stopping at the first miss. Splitting the checks over two threads
+        # measured slower here (512 keys: 1.1 ms in one, 1.4-1.8 ms in two): each check
+        # is a ~1.5 us syscall, and the hand-offs cost more than the overlap saves.
         out: list[bool] = []
-        for part in parts:
-            out.extend(part)
-            if not part or not part[-1]:
-                break
-        return out
-
-    def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
-        out: list[bool] = []
+        path_of, access, present_flag = self.path_of, os.access, os.F_OK
         for key in keys:
-            present = os.access(self.path_of(key), os.F_OK)  # half the cost of a stat
+            present = access(path_of(key), present_flag)  # half the cost of a stat
             out.append(present)
             if not present:
                 break

@@ -70,7 +70,7 @@ def test_a_write_is_invisible_until_renamed_and_a_failed_one_leaves_nothing(
     real_replace = os.replace
 
     def replace_after_looking(src: str, dst: str) -> None:
-        seen.append(backend._exists_sync([key])[0])  # mid-write: the object is not there
+        seen.append(backend._exists([key])[0])  # mid-write: the object is not there
         seen.append(os.path.getsize(src))
         real_replace(src, dst)
 
