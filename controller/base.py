@@ -13,9 +13,8 @@ controller releases them and counts it.
 from __future__ import annotations
 
 import abc
-import contextlib
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -249,10 +248,12 @@ class CacheService(abc.ABC):
     def close_session(self, session_id: str) -> int: ...
 
     @abc.abstractmethod
-    def batched(self) -> contextlib.AbstractContextManager[None]:
-        """Scope of one Batch call: background work its ops start (write-through copies)
-        may wait for the scope's end and go together. Nothing in the scope may wait for
-        that work (an allocation that needs it releases it at once)."""
+    def hold_background(self) -> Callable[[], None]:
+        """Hold the background work that calls start from now on (write-through copies)
+        until the returned function is called (the first call counts); then it goes in
+        one flush. The server holds it for an Insert or Batch RPC and releases it once
+        the response is on the wire, so the copies do not compete with sending it.
+        Nothing may wait for held work: an allocation that needs it releases it at once."""
 
     @abc.abstractmethod
     def stats(self) -> StatsSnapshot: ...

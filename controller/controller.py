@@ -8,11 +8,10 @@ Every transfer moves a whole family (a component and its sidecars share page ids
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -382,15 +381,18 @@ class HybridCacheController(CacheService):
             if allocation_id:
                 self._free_allocation(self._engines.pop_allocation(engine_id, allocation_id))
 
-    @contextlib.contextmanager
-    def batched(self) -> Iterator[None]:
+    def hold_background(self) -> Callable[[], None]:
         with self._mu:
             self.transfers.hold_flushes()
-        try:
-            yield
-        finally:
+        held = [True]
+
+        def release() -> None:
             with self._mu:
-                self.transfers.release_flushes()
+                if held:
+                    held.clear()
+                    self.transfers.release_flushes()
+
+        return release
 
     def close_session(self, session_id: str) -> int:
         if not session_id:

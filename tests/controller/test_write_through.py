@@ -208,14 +208,16 @@ def test_a_stalled_l3_store_never_throttles_the_serving_path(make, monkeypatch) 
     ctl.check_integrity()
 
 
-def test_copies_queued_in_a_batch_call_go_in_one_flush_after_it(make) -> None:
+def test_copies_queued_while_held_go_in_one_flush_after_the_release(make) -> None:
     ctl = make()
     eng = Engine(ctl)
     prompts = [seq(2, 1000 * (i + 1)) for i in range(4)]
-    with ctl.batched():
-        for tokens in prompts:
-            eng.request(tokens)
-        assert ctl.transfers.stats["l2_flushes"] == 0  # held for the end of the call
+    release = ctl.hold_background()
+    for tokens in prompts:
+        eng.request(tokens)
+    assert ctl.transfers.stats["l2_flushes"] == 0  # held for the end of the call
+    release()
+    release()  # a second release does nothing
     assert ctl.transfers.drain(10)
     assert ctl.transfers.stats["l2_flushes"] == 1
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 8
@@ -229,12 +231,13 @@ def test_an_allocation_in_a_batch_that_needs_the_held_copies_releases_them(make,
     ctl = make(l1_tokens=32)  # 8 L1 pages
     eng = Engine(ctl)
     prompts = [seq(2, 1000 * (i + 1)) for i in range(4)]
-    with ctl.batched():
-        for tokens in prompts:
-            eng.request(tokens)  # every L1 page pinned by a held copy
-        assert ctl.device.allocator(FULL).free_count == 0
-        m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
-        assert len(m.pages["full"]) == 2  # (ResourceExhausted after 2 s if it had waited)
-        ctl.release("e1", m.lock_id, m.allocation_id)
+    release = ctl.hold_background()
+    for tokens in prompts:
+        eng.request(tokens)  # every L1 page pinned by a held copy
+    assert ctl.device.allocator(FULL).free_count == 0
+    m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
+    assert len(m.pages["full"]) == 2  # (ResourceExhausted after 2 s if it had waited)
+    ctl.release("e1", m.lock_id, m.allocation_id)
+    release()
     assert ctl.transfers.drain(10)
     reload_and_verify(ctl, eng, prompts)

@@ -204,3 +204,33 @@ def test_metrics_count_rpcs_and_pools_without_namespaces(daemon: Daemon, metrics
     assert 'hicache_hit_tokens_total{tier="device"}' in text
     assert "hicache_lookups_total" in text
     assert "tenant-secret-ns" not in text
+
+
+def test_write_through_copies_land_after_insert_and_batch_rpcs_however_they_end(daemon: Daemon) -> None:
+    """Copies an Insert or Batch starts are held until the RPC has ended (its response
+    sent), then go; a failing RPC releases its hold too, or later copies would wait."""
+    import time
+
+    def host_backups(c: Client) -> int:
+        return c.stats().counters["backups_host"]
+
+    def wait_for(c: Client, n: int) -> None:
+        deadline = time.monotonic() + 10
+        while host_backups(c) < n:
+            assert time.monotonic() < deadline, f"backups_host stayed at {host_backups(c)} (< {n})"
+            time.sleep(0.01)
+
+    with daemon.client(engine_id="backer") as c:
+        c.attach(map_pools=False)
+        before = host_backups(c)
+        with pytest.raises(InvalidArgument):
+            c.insert(b"\x01\x02\x03")  # a failing Insert RPC
+        one = tokens(PAGE, start=300_000)
+        m = c.match(one, lock=True, allocate_tokens=PAGE)
+        c.insert(one, lock_id=m.lock_id, allocation_id=m.allocation_id)
+        wait_for(c, before + 1)
+        prompts = [tokens(PAGE, start=310_000 + 1_000 * i) for i in range(3)]
+        matches = c.batch([match_op(t, lock=True, allocate_tokens=PAGE) for t in prompts])
+        c.batch([insert_op(t, lock_id=r.lock_id, allocation_id=r.allocation_id)
+                 for t, r in zip(prompts, matches, strict=True)])
+        wait_for(c, before + 4)
