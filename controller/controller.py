@@ -36,6 +36,7 @@ from hicache.controller.engines import AllocationRecord, EngineRegistry, LockRec
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
+from hicache.controller.workers import Job
 from hicache.errors import BackendUnavailable, ConfigError, InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes
 from hicache.tiers.base import CopyEngine, DevicePools, HostPools
@@ -386,11 +387,28 @@ class HybridCacheController(CacheService):
             self.transfers.hold_flushes()
         held = [True]
 
-        def release() -> None:
+        def release_locked() -> None:
+            if held:
+                held.clear()
+                self.transfers.release_flushes()
+
+        def release_on_worker() -> None:
             with self._mu:
-                if held:
-                    held.clear()
-                    self.transfers.release_flushes()
+                release_locked()
+
+        def release() -> None:
+            # Runs on gRPC's poller thread, which must not wait for the mutex (every
+            # RPC's dispatch would wait with it): when the mutex is busy, the copy
+            # worker releases the hold (and then runs the flush it schedules).
+            if self._mu.acquire(blocking=False):
+                try:
+                    release_locked()
+                finally:
+                    self._mu.release()
+                return
+            job = Job("release-held-copies", release_on_worker, lambda _e: None)
+            if not self.transfers.copy_worker.submit(job):  # closed or full: wait here
+                release_on_worker()
 
         return release
 

@@ -241,3 +241,35 @@ def test_an_allocation_in_a_batch_that_needs_the_held_copies_releases_them(make,
     release()
     assert ctl.transfers.drain(10)
     reload_and_verify(ctl, eng, prompts)
+
+
+def test_release_of_held_copies_never_waits_for_a_busy_controller(make) -> None:
+    """gRPC's poller thread releases the hold when an RPC ends: with the mutex busy it
+    must return at once (the copy worker releases instead), and the copies still go."""
+    ctl = make()
+    eng = Engine(ctl)
+    release = ctl.hold_background()
+    eng.request(seq(2, 1000))
+    busy, done = threading.Event(), threading.Event()
+
+    def hold_mutex() -> None:
+        with ctl._mu:
+            busy.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold_mutex)
+    holder.start()
+    try:
+        assert busy.wait(10)
+        releaser = threading.Thread(target=release)
+        releaser.start()
+        releaser.join(2)
+        assert not releaser.is_alive(), "release waited for the busy mutex"
+        assert ctl.transfers.stats["l2_flushes"] == 0
+    finally:
+        done.set()
+        holder.join(10)
+    assert ctl.transfers.drain(10)
+    assert ctl.transfers.stats["l2_flushes"] == 1
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
+    release()  # already released: nothing happens
