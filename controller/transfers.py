@@ -400,29 +400,31 @@ class Transfers:
 
     def _flush_l2(self) -> None:
         """Reserve host pages for the oldest pending L1->L2 backups, copy them (one engine
-        call per family) outside the mutex, then land them. A failure lands them as not
-        copied (their host pages are freed) and raises, so the worker counts and logs it."""
+        call per family) outside the mutex, then land them and schedule the next flush.
+        Two critical sections, not more: each is a hand-off with the serving threads. A
+        failure lands them as not copied (their host pages are freed) and raises, so the
+        worker counts and logs it."""
         with self.ctl._mu:
             batch = self._take_pending()
-        try:
-            if batch:
-                self._copy_to_host(batch)
-        finally:
-            with self.ctl._mu:
-                self._schedule_l2_flush()  # what did not fit in this flush
-
-    def _copy_to_host(self, batch: list[HostCopy]) -> None:
-        try:
-            with self.ctl._mu:
-                self.stats["l2_flushes"] += 1
+            if not batch:
+                return
+            self.stats["l2_flushes"] += 1
+            try:
                 self._reserve_host(batch)
+            except BaseException:
+                self._land_l2(batch, copied=False)
+                self._schedule_l2_flush()
+                raise
+        copied = False
+        try:
             moves = [(kind, dev, host_ids) for copy in batch for kind, dev, host_ids in copy.moves]
             for kind, dev, host_ids in _per_family(moves):
                 self.copier.device_to_host(kind, dev, host_ids)
-        except BaseException:
-            self._land_l2(batch, copied=False)
-            raise
-        self._land_l2(batch, copied=True)
+            copied = True
+        finally:
+            with self.ctl._mu:
+                self._land_l2(batch, copied)
+                self._schedule_l2_flush()  # what did not fit in this flush
 
     def _take_pending(self) -> list[HostCopy]:
         """Caller holds the mutex. The oldest pending copies, up to `FLUSH_PAGES` pages
@@ -471,31 +473,31 @@ class Transfers:
                 self.free_l2(kind, ids[used[kind] :])
 
     def _land_l2(self, batch: list[HostCopy], copied: bool) -> None:
-        with self.ctl._mu:
-            landed: dict[int, object] = {}
-            for copy in batch:
-                node, moves = copy.node, copy.moves
-                if not moves:  # no room in L2: nothing was reserved
-                    self._queued_l2.discard(id(node))
-                    self.tree.unlock(copy.pin)
-                    continue
-                span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
-                for kind, _dev, host_ids in moves:
-                    self._drop_in_flight(kind, host_ids)
-                    parts = [(node, 0, 1)] if kind is MAMBA else span
-                    for part, lo, hi in parts:
-                        full_there = kind is FULL or self.tree.is_resident(part, FULL, Tier.HOST)
-                        if (copied and full_there and self.tree.is_live(part)
-                                and not self.tree.is_resident(part, kind, Tier.HOST)):
-                            self.tree.set_resident(part, kind, Tier.HOST, host_ids[lo:hi])
-                            self.stats["backups_l2"] += hi - lo
-                        else:
-                            self.free_l2(kind, host_ids[lo:hi])
+        """Caller holds the mutex."""
+        landed: dict[int, object] = {}
+        for copy in batch:
+            node, moves = copy.node, copy.moves
+            if not moves:  # no room in L2: nothing was reserved
                 self._queued_l2.discard(id(node))
                 self.tree.unlock(copy.pin)
-                landed.update((id(part), part) for part, _, _ in span)
-            self.landed.notify_all()
-            self._maybe_l3(list(landed.values()))
+                continue
+            span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
+            for kind, _dev, host_ids in moves:
+                self._drop_in_flight(kind, host_ids)
+                parts = [(node, 0, 1)] if kind is MAMBA else span
+                for part, lo, hi in parts:
+                    full_there = kind is FULL or self.tree.is_resident(part, FULL, Tier.HOST)
+                    if (copied and full_there and self.tree.is_live(part)
+                            and not self.tree.is_resident(part, kind, Tier.HOST)):
+                        self.tree.set_resident(part, kind, Tier.HOST, host_ids[lo:hi])
+                        self.stats["backups_l2"] += hi - lo
+                    else:
+                        self.free_l2(kind, host_ids[lo:hi])
+            self._queued_l2.discard(id(node))
+            self.tree.unlock(copy.pin)
+            landed.update((id(part), part) for part, _, _ in span)
+        self.landed.notify_all()
+        self._maybe_l3(list(landed.values()))
 
     def after_match(self, m: MatchResult) -> None:
         """Selective write-through: nodes that just got hot go down a tier."""
