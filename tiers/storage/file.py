@@ -163,9 +163,13 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------------ backend hooks
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
-        # One thread, stopping at the first miss. Splitting the checks over two threads
-        # measured slower here (512 keys: 1.1 ms in one, 1.4-1.8 ms in two): each check
-        # is a ~1.5 us syscall, and the hand-offs cost more than the overlap saves.
+        # One bounded call (a hung mount must not hang the lookup), one thread, stopping
+        # at the first miss. Splitting the checks over two threads measured slower here
+        # (512 keys: 1.2-1.4 ms in one, 1.4-1.8 ms in two): each check is a ~1.5 us syscall,
+        # and the hand-offs cost more than the overlap saves.
+        return self._caller.call(self._exists_sync, keys)
+
+    def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
         path_of, access, present_flag = self.path_of, os.access, os.F_OK
         for key in keys:

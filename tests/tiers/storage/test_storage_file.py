@@ -70,7 +70,7 @@ def test_a_write_is_invisible_until_renamed_and_a_failed_one_leaves_nothing(
     real_replace = os.replace
 
     def replace_after_looking(src: str, dst: str) -> None:
-        seen.append(backend._exists([key])[0])  # mid-write: the object is not there
+        seen.append(backend._exists_sync([key])[0])  # mid-write: the object is not there
         seen.append(os.path.getsize(src))
         real_replace(src, dst)
 
@@ -167,3 +167,50 @@ def test_mount_type_is_taken_from_the_longest_mount_point(
     assert fs_type_of(path, MOUNTINFO) == fstype
     assert is_shared_fs(fstype) is shared
     assert len(parse_mountinfo(MOUNTINFO)) == 4
+
+
+def test_a_hung_mount_fails_every_call_within_the_timeout_then_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mount that stops answering (e.g. NFS) blocks syscalls: existence checks, reads
+    and writes each fail within the timeout instead of hanging the caller."""
+    import threading
+    import time
+
+    backend = FileBackend(FileStorageConfig(path=str(tmp_path)), timeout_s=0.5)
+    backend.start()
+    stored = keys(2)
+    assert backend.put_from(stored, Pool(2).slots()) == [PutStatus.STORED] * 2
+    gate = threading.Event()
+    real_access, real_open = os.access, os.open
+
+    def hung(real):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            gate.wait(30)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(os, "access", hung(real_access))
+    monkeypatch.setattr(os, "open", hung(real_open))
+    try:
+        for call in (
+            lambda: backend.exists_prefix(stored),
+            lambda: backend.get_into(stored, Pool(2, seed=None).slots()),
+            lambda: backend.put_from(keys(1), Pool(1).slots()),
+        ):
+            t0 = time.monotonic()
+            with pytest.raises(BackendUnavailable):
+                call()
+            assert time.monotonic() - t0 < 0.5 + 2.0
+    finally:
+        monkeypatch.undo()
+        gate.set()
+    deadline = time.monotonic() + 10
+    while True:  # the stuck calls return once the mount answers; then calls go through
+        try:
+            assert backend.exists_prefix(stored) == 2
+            break
+        except BackendUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    backend.close()
