@@ -252,8 +252,10 @@ class CacheService(abc.ABC):
         """Hold the background work that calls start from now on (write-through copies)
         until the returned function is called (the first call counts); then it goes in
         one flush. The server holds it for an Insert or Batch RPC and releases it once
-        the response is on the wire, so the copies do not compete with sending it. The
-        release never waits for a busy controller (it runs on gRPC's poller thread).
+        the response is on the wire, so the copies do not compete with sending it. One
+        hold at a time (a hold asked for meanwhile is not granted: its release does
+        nothing), so copies wait for one RPC at most. The release never waits for a busy
+        controller (it runs on gRPC's poller thread).
         Nothing may wait for held work: an allocation that needs it releases it at once."""
 
     @abc.abstractmethod

@@ -52,6 +52,10 @@ log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
 
 
+def _nothing() -> None:
+    """The release of a hold that was not granted."""
+
+
 class HybridCacheController(CacheService):
     def __init__(self, cfg: HicacheConfig, tree: HiRadixTree, device: DevicePools,
                  host: HostPools, copier: CopyEngine, l3: L3Store | None) -> None:
@@ -384,7 +388,8 @@ class HybridCacheController(CacheService):
 
     def hold_background(self) -> Callable[[], None]:
         with self._mu:
-            self.transfers.hold_flushes()
+            if not self.transfers.hold_flushes():  # another RPC holds them: its end sends
+                return _nothing
         held = [True]
 
         def release_locked() -> None:

@@ -116,7 +116,9 @@ class Transfers:
         # L1->L2 write-through copies waiting for the copy worker's next flush, in order.
         self._pending_l2: list[HostCopy] = []
         self._flush_queued = False
-        self._flush_holds = 0  # Batch calls under way: their copies wait to go together
+        # An Insert or Batch RPC under way whose copies wait for its response to be sent
+        # (at most one at a time: see `hold_flushes`).
+        self._flush_holds = 0
         # Allocators and evict-ahead counts by tier and kind, looked up once.
         self._allocators = {
             Tier.DEVICE: {k: ctl.device.allocator(k) for k in ctl._kinds},
@@ -141,11 +143,18 @@ class Transfers:
         self._load_threads.shutdown(wait=True)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued copy (L1->L2, then L2->L3) has landed."""
-        with self.ctl._mu:
-            self._schedule_l2_flush(urgent=True)
+        """Wait until every queued copy (L1->L2, then L2->L3) has landed, held ones
+        included (copies queued meanwhile too, until the timeout)."""
         deadline = time.monotonic() + timeout_s
-        ok = self.copy_worker.drain(timeout_s)
+        while True:
+            with self.ctl._mu:
+                self._schedule_l2_flush(urgent=True)
+            ok = self.copy_worker.drain(max(0.0, deadline - time.monotonic()))
+            with self.ctl._mu:
+                left = bool(self._pending_l2)
+            if not left or not ok or time.monotonic() >= deadline:
+                break
+        ok = ok and not left
         return self.backup_worker.drain(max(0.0, deadline - time.monotonic())) and ok
 
     def counters(self) -> dict[str, int]:
@@ -374,29 +383,36 @@ class Transfers:
         self._pending_l2.append(HostCopy(node, slots, self.tree.pin(node)))
         self._schedule_l2_flush()
 
-    def hold_flushes(self) -> None:
+    def hold_flushes(self) -> bool:
         """Caller holds the mutex. Copies queued from now on wait for `release_flushes`
-        (one flush for a whole Batch call instead of a worker racing its ops)."""
-        self._flush_holds += 1
+        (one flush for a whole Batch call, and none competing with sending the reply).
+        One hold at a time: with RPCs overlapping, the others take none (False), so that
+        copies wait for one RPC at most; holds taken back to back would hold them off
+        for as long as the traffic lasts."""
+        if self._flush_holds:
+            return False
+        self._flush_holds = 1
+        return True
 
     def release_flushes(self) -> None:
-        """Caller holds the mutex."""
-        self._flush_holds -= 1
+        """Caller holds the mutex; ends a hold `hold_flushes` granted."""
+        self._flush_holds = 0
         self._schedule_l2_flush()
 
     def _schedule_l2_flush(self, urgent: bool = False) -> None:
         """Caller holds the mutex. At most one flush job waits in the copy worker's queue:
         it takes whatever is pending when it runs, so later copies ride along. Held
-        during a Batch call unless `urgent` (someone waits for the copies)."""
+        by an RPC under way unless `urgent` (someone waits for the copies, or they were
+        due before)."""
         if self._flush_queued or not self._pending_l2:
             return
         if self._flush_holds and not urgent:
             return
         self._flush_queued = True
         if not self.copy_worker.submit(Job("l1-to-l2", self._flush_l2, lambda _e: None)):
-            # Queue full: copy here rather than lose the backups.
             self._flush_queued = False
-            self._flush_l2()
+            if not self.copy_worker.closed:  # closed: shutting down, the pools go next
+                self._flush_l2()  # queue full: copy here rather than lose the backups
 
     def _flush_l2(self) -> None:
         """Reserve host pages for the oldest pending L1->L2 backups, copy them (one engine
@@ -412,8 +428,10 @@ class Transfers:
             try:
                 self._reserve_host(batch)
             except BaseException:
-                self._land_l2(batch, copied=False)
-                self._schedule_l2_flush()
+                try:
+                    self._land_l2(batch, copied=False)
+                finally:
+                    self._schedule_l2_flush(urgent=True)
                 raise
         copied = False
         try:
@@ -423,8 +441,11 @@ class Transfers:
             copied = True
         finally:
             with self.ctl._mu:
-                self._land_l2(batch, copied)
-                self._schedule_l2_flush()  # what did not fit in this flush
+                try:
+                    self._land_l2(batch, copied)
+                finally:
+                    # What did not fit in this flush was due already: not held.
+                    self._schedule_l2_flush(urgent=True)
 
     def _take_pending(self) -> list[HostCopy]:
         """Caller holds the mutex. The oldest pending copies, up to `FLUSH_PAGES` pages

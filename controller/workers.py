@@ -139,6 +139,11 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        with self._idle:
+            return self._closed
+
     def submit(self, job: Job) -> bool:
         """False when the queue is full or the worker is closed (the job would never
         run): the caller gives up on it itself."""

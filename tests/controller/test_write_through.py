@@ -208,6 +208,14 @@ def test_a_stalled_l3_store_never_throttles_the_serving_path(make, monkeypatch) 
     ctl.check_integrity()
 
 
+def wait_for_flushes(ctl, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Poll (not `drain`, which flushes held copies too) until `n` flushes ran."""
+    deadline = time.monotonic() + 10
+    while ctl.transfers.stats["l2_flushes"] < n:
+        assert time.monotonic() < deadline, f"{ctl.transfers.stats['l2_flushes']} flushes (< {n})"
+        time.sleep(0.005)
+
+
 def test_copies_queued_while_held_go_in_one_flush_after_the_release(make) -> None:
     ctl = make()
     eng = Engine(ctl)
@@ -215,13 +223,52 @@ def test_copies_queued_while_held_go_in_one_flush_after_the_release(make) -> Non
     release = ctl.hold_background()
     for tokens in prompts:
         eng.request(tokens)
+    time.sleep(0.2)  # time enough for a flush, had one been scheduled
     assert ctl.transfers.stats["l2_flushes"] == 0  # held for the end of the call
     release()
     release()  # a second release does nothing
+    wait_for_flushes(ctl, 1)
+    assert ctl.transfers._flush_holds == 0
     assert ctl.transfers.drain(10)
     assert ctl.transfers.stats["l2_flushes"] == 1
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 8
     reload_and_verify(ctl, eng, prompts)
+
+
+def test_overlapping_holds_make_copies_wait_for_one_rpc_at_most(make) -> None:
+    """RPCs that overlap one after the other: copies wait for the end of the RPC holding
+    them, not for a moment when no RPC is under way (that may never come)."""
+    ctl = make()
+    eng = Engine(ctl)
+    first = ctl.hold_background()
+    eng.request(seq(2, 1000))
+    second = ctl.hold_background()  # another RPC while the first one is under way
+    eng.request(seq(2, 2000))
+    first()  # the first RPC ends while the second is still under way
+    wait_for_flushes(ctl, 1)
+    third = ctl.hold_background()
+    eng.request(seq(2, 3000))
+    second()
+    third()
+    wait_for_flushes(ctl, 2)
+    assert ctl.transfers.drain(10)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 6
+    assert ctl.transfers._flush_holds == 0
+
+
+def test_drain_sends_every_held_copy_whatever_a_flush_takes(make, monkeypatch) -> None:
+    """`drain` (Flush, shutdown) must not return with copies left behind a hold when a
+    flush takes fewer than are pending."""
+    monkeypatch.setattr(transfers_mod, "FLUSH_PAGES", 2)
+    ctl = make()
+    eng = Engine(ctl)
+    release = ctl.hold_background()
+    for i in range(4):
+        eng.request(seq(2, 1000 * (i + 1)))
+    assert ctl.transfers.drain(10)
+    assert not ctl.transfers._pending_l2
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 8
+    release()
 
 
 def test_an_allocation_in_a_batch_that_needs_the_held_copies_releases_them(make, monkeypatch) -> None:
@@ -269,6 +316,8 @@ def test_release_of_held_copies_never_waits_for_a_busy_controller(make) -> None:
     finally:
         done.set()
         holder.join(10)
+    wait_for_flushes(ctl, 1)
+    assert ctl.transfers._flush_holds == 0
     assert ctl.transfers.drain(10)
     assert ctl.transfers.stats["l2_flushes"] == 1
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2

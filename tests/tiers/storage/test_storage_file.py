@@ -173,7 +173,8 @@ def test_a_hung_mount_fails_every_call_within_the_timeout_then_recovers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A mount that stops answering (e.g. NFS) blocks syscalls: existence checks, reads
-    and writes each fail within the timeout instead of hanging the caller."""
+    and writes each reach it and fail within the timeout instead of hanging the caller;
+    once it answers again, calls go through."""
     import threading
     import time
 
@@ -181,36 +182,36 @@ def test_a_hung_mount_fails_every_call_within_the_timeout_then_recovers(
     backend.start()
     stored = keys(2)
     assert backend.put_from(stored, Pool(2).slots()) == [PutStatus.STORED] * 2
-    gate = threading.Event()
     real_access, real_open = os.access, os.open
+    calls = (
+        lambda: backend.exists_prefix(stored),
+        lambda: backend.get_into(stored, Pool(2, seed=None).slots()),
+        lambda: backend.put_from(keys(1), Pool(1).slots()),
+    )
+    for call in calls:
+        gate, reached = threading.Event(), threading.Event()
 
-    def hung(real):  # type: ignore[no-untyped-def]
-        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
-            gate.wait(30)
-            return real(*args, **kwargs)
-        return call
+        def hung(real, gate=gate, reached=reached):  # type: ignore[no-untyped-def]
+            def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+                reached.set()
+                gate.wait(30)
+                return real(*args, **kwargs)
+            return wrapper
 
-    monkeypatch.setattr(os, "access", hung(real_access))
-    monkeypatch.setattr(os, "open", hung(real_open))
-    try:
-        for call in (
-            lambda: backend.exists_prefix(stored),
-            lambda: backend.get_into(stored, Pool(2, seed=None).slots()),
-            lambda: backend.put_from(keys(1), Pool(1).slots()),
-        ):
+        monkeypatch.setattr(os, "access", hung(real_access))
+        monkeypatch.setattr(os, "open", hung(real_open))
+        try:
             t0 = time.monotonic()
             with pytest.raises(BackendUnavailable):
                 call()
             assert time.monotonic() - t0 < 0.5 + 2.0
-    finally:
-        monkeypatch.undo()
-        gate.set()
-    deadline = time.monotonic() + 10
-    while True:  # the stuck calls return once the mount answers; then calls go through
-        try:
-            assert backend.exists_prefix(stored) == 2
-            break
-        except BackendUnavailable:
+            assert reached.is_set(), "the call failed before it reached the mount"
+        finally:
+            monkeypatch.undo()
+            gate.set()
+        deadline = time.monotonic() + 10
+        while backend.stats().stuck_calls:  # the stuck call returns once the mount answers
             assert time.monotonic() < deadline
-            time.sleep(0.05)
+            time.sleep(0.01)
+    assert backend.exists_prefix(stored) == 2
     backend.close()
