@@ -260,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
         configs = configs[:2]
     rows = []
     hdr = (f"{'page':>4} {'components':<15} {'budget':>9} {'match mean/p50/p99 us':>24} "
-           f"{'insert mean/p50/p99 us':>24} {'evict mean/p99 us':>18} {'meta B/page':>11} {'keys B/page':>11}")
+           f"{'insert mean/p50/p99 us':>24} {'evict mean/p99 us':>18} {'meta B/page':>11} {'keys B/page':>11} "
+           f"{'reused tok':>10}")
     print(hdr)
     # Rounds interleave the configurations, so load from elsewhere on the machine weighs
     # on FULL and hybrid alike; each configuration shows its best round (lowest match +
@@ -277,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
               f"{f.match_us_mean:8.1f}/{f.match_us_p50:6.1f}/{f.match_us_p99:7.1f} "
               f"{f.insert_us_mean:8.1f}/{f.insert_us_p50:6.1f}/{f.insert_us_p99:7.1f} "
               f"{f.evict_us_mean:8.1f}/{f.evict_us_p99:8.1f} "
-              f"{f.metadata_bytes_per_page:11.1f} {f.token_key_bytes_per_page:11.1f}")
+              f"{f.metadata_bytes_per_page:11.1f} {f.token_key_bytes_per_page:11.1f} "
+              f"{f.reused_tokens_mean:10.0f}")
     ratios = {}
     for page, spec, budget in configs:
         full = best.get((page, "full", budget))
