@@ -214,20 +214,32 @@ class HybridCacheController(CacheService):
         alloc_pages: PagesByMember = {}
         with self._mu:
             self.counters["hit_tokens_storage"] += storage_tokens
-            if (req.prefetch and beyond and m.lock is not None
-                    and storage_tokens >= self.cfg.prefetch.threshold_tokens):
-                in_l1 = m.device_tokens == self.tree.depth_tokens(base)
-                prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base, beyond,
-                                                       to_l1=in_l1)
-                if prefetch_id:
-                    self._prefetch_of_lock[lock_id] = prefetch_id
-            if req.allocate_tokens is not None:
-                assert m.lock is not None
-                alloc_id, alloc_pages = self._new_allocation(
-                    engine_id, req.namespace, m.device_tokens // self._ps,
-                    max(0, req.allocate_tokens - m.device_tokens),
-                    lock_id, m.device_pages.get(MAMBA),
-                )
+            try:
+                if req.allocate_tokens is not None:
+                    assert m.lock is not None
+                    alloc_id, alloc_pages = self._new_allocation(
+                        engine_id, req.namespace, m.device_tokens // self._ps,
+                        max(0, req.allocate_tokens - m.device_tokens),
+                        lock_id, m.device_pages.get(MAMBA),
+                    )
+                # `base` (the storage boundary) lies beyond the lock when a hybrid model's
+                # window or checkpoint is only in L3: an eviction while the mutex was free
+                # may have deleted it, and then there is nothing to continue from.
+                if (req.prefetch and beyond and m.lock is not None
+                        and storage_tokens >= self.cfg.prefetch.threshold_tokens
+                        and (base is None or self.tree.is_live(base))):
+                    in_l1 = m.device_tokens == self.tree.depth_tokens(base)
+                    prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base,
+                                                           beyond, to_l1=in_l1)
+                    if prefetch_id:
+                        self._prefetch_of_lock[lock_id] = prefetch_id
+            except BaseException:
+                # The caller gets an error, never these handles: nothing may stay held.
+                if alloc_id:
+                    self._free_allocation(self._engines.pop_allocation(engine_id, alloc_id))
+                if lock_id:
+                    self._drop_lock(engine_id, lock_id)
+                raise
             device_pages = self._by_member(m.device_pages)
         return MatchOutcome(
             device_tokens=m.device_tokens,
@@ -252,15 +264,39 @@ class HybridCacheController(CacheService):
 
     # ------------------------------------------------------------------ allocation
 
+    def _drop_lock(self, engine_id: str, lock_id: int) -> None:
+        """Release a lock the engine never learned of (its request failed)."""
+        try:
+            record = self._engines.pop_lock(engine_id, lock_id)
+        except NotFound:  # the engine's lease lapsed meanwhile: released with it
+            return
+        prefetch_id = self._prefetch_of_lock.pop(lock_id, 0)
+        prefetch = self.prefetcher.get(prefetch_id) if prefetch_id else None
+        if prefetch is not None:
+            prefetch.cancel()  # what arrives still lands, for later requests
+        if record.tree_lock.active:
+            self.tree.unlock(record.tree_lock)
+
+    def _allocate_family(self, n: int, with_slot: bool) -> tuple[dict[ComponentKind, np.ndarray], int | None]:
+        """`n` L1 pages of every paged kind (and a MAMBA slot): all of them or, raising,
+        none (pages taken for earlier kinds are freed)."""
+        got: dict[ComponentKind, np.ndarray] = {}
+        try:
+            for kind in self._paged:
+                got[kind] = self.transfers.allocate_l1(kind, n)
+            slot = int(self.transfers.allocate_l1(MAMBA, 1)[0]) if with_slot else None
+        except BaseException:
+            for kind, ids in got.items():
+                self.transfers.free_l1(kind, ids)
+            raise
+        return got, slot
+
     def _new_allocation(self, engine_id: str, namespace: str, start_page: int, tokens: int,
                         lock_id: int | None, checkpoint: np.ndarray | None) -> tuple[int, PagesByMember]:
         n = -(-tokens // self._ps)
-        pages = {kind: self.transfers.allocate_l1(kind, n) for kind in self._paged}
-        slot = None
-        if MAMBA in self._kinds:
-            slot = int(self.transfers.allocate_l1(MAMBA, 1)[0])
-            if checkpoint is not None and len(checkpoint):
-                self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
+        pages, slot = self._allocate_family(n, MAMBA in self._kinds)
+        if slot is not None and checkpoint is not None and len(checkpoint):
+            self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
         record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
         alloc_id = self._engines.add_allocation(record)
         return alloc_id, self._allocation_pages(record)
@@ -277,11 +313,9 @@ class HybridCacheController(CacheService):
             self._engines.renew(engine_id)
             if req.allocation_id:
                 record = self._engines.allocation(engine_id, req.allocation_id)
-                n = -(-req.num_tokens // self._ps)
-                for kind in self._paged:
-                    record.pages[kind] = np.concatenate(
-                        [record.pages[kind], self.transfers.allocate_l1(kind, n)]
-                    )
+                grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
+                for kind, ids in grown.items():
+                    record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
             start, checkpoint = 0, None
             if req.lock_id:

@@ -179,6 +179,11 @@ class Transfers:
         alloc = self._allocators[tier][kind]
         if alloc.free_count >= n:
             return alloc.allocate(n)
+        if n > alloc.total:  # no eviction can make room: do not empty the pool trying
+            raise ResourceExhausted(
+                f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed, "
+                f"the pool has {alloc.total}"
+            )
         deadline = time.monotonic() + wait_s
         while True:
             if alloc.free_count < n:
@@ -337,7 +342,9 @@ class Transfers:
         moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = []
         for kind, dev in self._missing_in_host(node):
             try:
-                moves.append((kind, dev, self.allocate_l2(kind, len(dev))))
+                # Never waits: a wait releases the mutex, and the node (not locked by
+                # the callers) could leave L1 meanwhile and `dev` go to another request.
+                moves.append((kind, dev, self._allocate(Tier.HOST, kind, len(dev), wait_s=0.0)))
             except ResourceExhausted:
                 self.stats["backups_l2_skipped"] += 1
                 break

@@ -816,8 +816,11 @@ class HiRadixTree:
     def _offer_windows(self, parent: Node, tier: int) -> None:
         """The path below `parent` changed in `tier`: for child-sensitive components every
         node within a window above it may now hold data outside every kept window (a slot
-        popped earlier as wholly kept lost its queue mark and must be offered again)."""
+        popped earlier as wholly kept lost its queue mark and must be offered again).
+        Nodes without the slot in `tier` are skipped: a slot that arrives later is offered
+        by `_set`."""
         queues = self._queues[tier]
+        bit = 1 << tier
         for ci in self._child_sensitive:
             window = self.components[ci].window_pages
             queue = queues[ci]
@@ -825,7 +828,7 @@ class HiRadixTree:
             node = parent
             dist = 0
             while node.parent is not None:
-                if not node.qmask & marked:  # (a marked slot is queued already)
+                if node.mask[ci] & bit and not node.qmask & marked:  # (marked: queued already)
                     queue.offer(node)
                 dist += node.npages
                 if dist >= window:
