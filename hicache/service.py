@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from hicache import convert
-from hicache.auth import current_principal
+from hicache.auth import ANONYMOUS, current_principal
 from hicache.controller.base import CacheService
 from hicache.errors import InvalidArgument
 from hicache.interceptor import op_status
@@ -43,11 +43,23 @@ FILLED_IN_PLACE = frozenset({"match_prefix", "insert"})
 
 
 def engine_of(context: grpc.ServicerContext) -> str:
-    """The caller's engine id from the metadata, "" when it sent none."""
+    """The caller's engine id from the metadata ("" when it sent none), scoped to the
+    caller's token (`scoped_engine`)."""
     for key, value in context.invocation_metadata():  # type: ignore[misc]
         if key == ENGINE_HEADER:
-            return value if isinstance(value, str) else value.decode()
+            return scoped_engine(value if isinstance(value, str) else value.decode())
     return ""
+
+
+def scoped_engine(engine_id: str) -> str:
+    """The engine id the core knows: with bearer tokens, the token's label and the id the
+    engine sent, so that a caller with another token naming the same engine reaches a
+    different (unattached) one and never another tenant's locks or allocations. Without
+    tokens (one trust domain) the id as sent."""
+    principal = current_principal()
+    if principal is ANONYMOUS or not engine_id:
+        return engine_id
+    return f"{principal.label}/{engine_id}"
 
 
 class HiCacheServicer(pb_grpc.HiCacheServicer):
@@ -73,10 +85,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ ops
 
     def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
-        return convert.attach_to_pb(self._core.attach(r.engine_id, r.tp_rank, r.tp_size), r.tp_rank)
+        return convert.attach_to_pb(
+            self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size), r.tp_rank
+        )
 
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return convert.heartbeat_to_pb(self._core.heartbeat(r.engine_id))
+        return convert.heartbeat_to_pb(self._core.heartbeat(scoped_engine(r.engine_id)))
 
     def _match(self, engine: str, r: pb.MatchPrefixRequest,
                out: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache.client import match_op
 from hicache.controller.base import MatchOutcome
-from hicache.errors import PermissionDenied, Unauthenticated
+from hicache.errors import HicacheError, PermissionDenied, Unauthenticated
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
@@ -62,6 +62,34 @@ def test_namespaces_follow_the_token(secured: tuple[Daemon, int]) -> None:
     with d.client(token=ADMIN, engine_id="operator") as op:
         op.attach(map_pools=False)
         assert op.match(tokens(PAGE), "b").device_tokens == 0
+
+
+def test_another_token_naming_the_same_engine_reaches_none_of_its_handles(
+    secured: tuple[Daemon, int],
+) -> None:
+    """Engine ids are the engine's own choice, and lock ids count up: a caller with
+    another token who sends a tenant's engine id (header or Heartbeat) must not release
+    its locks, use its allocations or see its counts."""
+    d, _ = secured
+    prompt = tokens(PAGE, start=900_000)
+    with d.client(token=TENANT_A, engine_id="shared-name") as a, \
+            d.client(token=ADMIN, engine_id="shared-name", retries=0) as other:
+        a.attach(map_pools=False)
+        m = a.match(prompt, "a", lock=True, allocate_tokens=PAGE)
+        assert a.heartbeat().locks == 1
+        with pytest.raises(HicacheError):
+            other.release(lock_id=m.lock_id)
+        with pytest.raises(HicacheError):
+            other.release(allocation_id=m.allocation_id)
+        with pytest.raises(HicacheError):
+            other.heartbeat()  # not attached under this token
+        other.attach(map_pools=False)  # a namesake of its own, with nothing held
+        assert other.heartbeat().locks == 0
+        with pytest.raises(HicacheError):
+            other.release(lock_id=m.lock_id)
+        hb = a.heartbeat()
+        assert (hb.locks, hb.allocations) == (1, 1)
+        a.insert(prompt, "a", lock_id=m.lock_id, allocation_id=m.allocation_id)
 
 
 def test_tokens_never_reach_the_log(secured: tuple[Daemon, int]) -> None:
