@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from hicache.auth import Authenticator, reset_current_principal, set_current_principal
-from hicache.errors import HicacheError
+from hicache.errors import HicacheError, InvalidArgument
 from hicache.metrics import RpcMetrics
 
 log = logging.getLogger("hicache.rpc")
@@ -71,16 +71,17 @@ class ServerInterceptor(grpc.ServerInterceptor):
         label = method.lstrip("/")
         service = label.split("/", 1)[0]
         auth = self._auth if self._auth.enabled and service not in UNAUTHENTICATED_SERVICES else None
+        parse = _lenient(label, handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(label, auth, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(label, auth, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         return handler  # streaming requests: none in our services (reflection's is left as is)
@@ -111,8 +112,10 @@ class ServerInterceptor(grpc.ServerInterceptor):
         code = "OK"
         token = None
         try:
-            if auth is not None:
+            if auth is not None:  # first: an unauthenticated caller learns nothing more
                 token = _authorize(auth, request, context)
+            if isinstance(request, _Undecodable):
+                raise InvalidArgument(request.message)
             yield
         except Exception as exc:
             status, message = op_status(exc, label)
@@ -123,6 +126,27 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 reset_current_principal(token)
             if self._metrics is not None:
                 self._metrics.observe(label, code, time.perf_counter() - start)
+
+
+class _Undecodable:
+    """A request body that did not parse: the handler answers INVALID_ARGUMENT (gRPC
+    itself would answer INTERNAL for an exception in the deserializer)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(label: str, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def lenient(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as e:  # protobuf's DecodeError, or whatever a parser raises
+            return _Undecodable(f"{label}: the request is not a valid message ({e})")
+
+    return lenient
 
 
 def _authorize(auth: Authenticator, request: Any, context: grpc.ServicerContext) -> Any:

@@ -234,3 +234,20 @@ def test_write_through_copies_land_after_insert_and_batch_rpcs_however_they_end(
         c.batch([insert_op(t, lock_id=r.lock_id, allocation_id=r.allocation_id)
                  for t, r in zip(prompts, matches, strict=True)])
         wait_for(c, before + 4)
+
+
+def test_a_body_that_is_no_valid_message_is_invalid_argument(daemon: Daemon) -> None:
+    """gRPC answers INTERNAL when the request parser raises; a caller sending bytes that
+    are no valid message (here a namespace that is not UTF-8) gets INVALID_ARGUMENT."""
+    import grpc
+
+    junk = b"\x0a\x02\xff\xfe"  # field 1 (namespace), 2 bytes, not UTF-8
+    with grpc.insecure_channel(daemon.target) as channel:
+        for method in ("/hicache.v1.HiCache/MatchPrefix", "/hicache.v1.HiCache/Batch"):
+            call = channel.unary_unary(method)
+            with pytest.raises(grpc.RpcError) as info:
+                call(junk, metadata=(("x-hicache-engine", "junk"),), timeout=10)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "not a valid message" in info.value.details(), method
+    with daemon.client(engine_id="after-junk", retries=0) as c:
+        assert c.serving()
