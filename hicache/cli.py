@@ -63,6 +63,15 @@ def describe(cfg: HicacheConfig) -> str:
     return "\n".join(lines)
 
 
+
+def _address(value: str) -> str:
+    """--target: a malformed address is a usage error (exit 2), not an unhealthy daemon."""
+    try:
+        parse_address(value)
+    except HicacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file, args.set)
     print(describe(cfg))
@@ -172,7 +181,8 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         ("stats", "pool usage and counters", _cmd_stats),
     ):
         h = sub.add_parser(name, help=help_text)
-        h.add_argument("--target", help="unix:///path or host:port (default: server.listen)")
+        h.add_argument("--target", type=_address,
+                       help="unix:///path or host:port (default: server.listen)")
         h.add_argument("--config", help="hicache.yaml whose server.listen is the default target")
         h.add_argument("--token-file", help="file holding a bearer token (TCP with tokens)")
         h.add_argument("--ca-file", help="PEM root certificates of a TLS daemon (default: with "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import os
 import types
 import typing
@@ -36,6 +37,8 @@ from hicache.types import (
 )
 
 GiB = 1 << 30
+MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
+MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
 
 # --------------------------------------------------------------------------- model
@@ -371,7 +374,12 @@ class ServerConfig:
     max_tokens_per_request: int = 1 << 20
 
     def _validate(self, path: str) -> None:
-        if not self.listen.startswith("unix://"):
+        if self.listen.startswith("unix://"):
+            if not self.listen.startswith("unix:///"):
+                raise ConfigError(
+                    f"{path}.listen: {self.listen!r}: a unix socket address is unix:///absolute/path"
+                )
+        else:
             _host_port(self.listen, f"{path}.listen", "is neither unix:///path nor host:port")
         if self.probe_listen is not None:
             _host_port(self.probe_listen, f"{path}.probe_listen", "is not host:port")
@@ -386,8 +394,16 @@ class ServerConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(f"{path}.tls_cert/tls_key: give both or neither")
         _positive(self.lease_ms, f"{path}.lease_ms")
+        if self.lease_ms > MAX_LEASE_MS:
+            raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is over {MAX_LEASE_MS} "
+                              "(a uint32 on the wire)")
         _positive(self.shutdown_flush_s, f"{path}.shutdown_flush_s")
         _positive(self.max_tokens_per_request, f"{path}.max_tokens_per_request")
+        if self.max_tokens_per_request > MAX_TOKENS_PER_REQUEST:
+            raise ConfigError(
+                f"{path}.max_tokens_per_request: {self.max_tokens_per_request} is over "
+                f"{MAX_TOKENS_PER_REQUEST} (gRPC messages are limited to 2 GiB, 4 bytes a token)"
+            )
 
     @property
     def socket_mode_bits(self) -> int:
@@ -580,7 +596,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a mapping, got {_show(value)}")
         hints = typing.get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
-        unknown = sorted(set(value) - set(fields))
+        unknown = sorted(set(value) - set(fields), key=str)
         if unknown:
             raise ConfigError(
                 f"{_join(path, str(unknown[0]))}: unknown key; allowed: {sorted(fields)}"
@@ -629,6 +645,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{shown}: expected a number, got {_show(value)}")
+        if not math.isfinite(value):  # every number here is a size, a time or a ratio
+            raise ConfigError(f"{shown}: {value!r} is not a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

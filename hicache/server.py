@@ -203,7 +203,11 @@ def serve(
         lock.acquire()
     try:
         core = core_factory(cfg, endpoint.instance_name())
-        daemon = Daemon(cfg, core, endpoint)
+        try:
+            daemon = Daemon(cfg, core, endpoint)
+        except BaseException:
+            core.close()  # its pools (L1 shared memory) must not outlive the attempt
+            raise
         try:
             daemon.start()
         except BaseException:

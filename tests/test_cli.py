@@ -3,6 +3,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from hicache.cli import main
 
 
@@ -65,3 +67,16 @@ def test_bench_options_are_there_when_the_command_is_bench() -> None:
     assert _command_of(["health", "--json"]) == "health"
     args = build_parser().parse_args(["bench", "tree", "--rounds", "2"])
     assert args.rounds == 2
+
+
+@pytest.mark.parametrize("target", ["bad", "unix://relative.sock", "localhost:abc", "[::1]:99999"])
+@pytest.mark.parametrize("command", ["health", "stats"])
+def test_a_malformed_target_is_a_usage_error_not_an_unhealthy_daemon(
+    command: str, target: str, capsys
+) -> None:
+    # Exit 1 means "the daemon answered, a backend is unhealthy": a probe must not read
+    # a typo in its own address that way.
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--target", target])
+    assert exit_info.value.code == 2
+    assert "--target" in capsys.readouterr().err

@@ -118,6 +118,16 @@ def test_l2_size_gb_overrides_ratio() -> None:
         ("storage: {backend: mooncake}", "storage.mooncake.master: required with storage.backend=mooncake (or set MOONCAKE_MASTER)"),
         ("storage: {redis: {url: 'http://x'}}", "storage.redis.url: 'http://x' must start with"),
         ("metrics: {port: 70000}", "metrics.port: 70000 must be in [0, 65535]"),
+        ("server: {listen: 'unix://relative.sock'}", "server.listen: 'unix://relative.sock': a unix socket address is unix:///absolute/path"),
+        # numbers that are not finite, or beyond what the wire can carry
+        ("tiers: {l1: {size_gb: .nan}}", "tiers.l1.size_gb: nan is not a finite number"),
+        ("tiers: {l2: {ratio: .inf}}", "tiers.l2.ratio: inf is not a finite number"),
+        ("storage: {timeout_s: .nan}", "storage.timeout_s: nan is not a finite number"),
+        ("server: {shutdown_flush_s: -.inf}", "server.shutdown_flush_s: -inf is not a finite number"),
+        ("server: {lease_ms: 5000000000}", "server.lease_ms: 5000000000 is over 4294967295"),
+        ("server: {max_tokens_per_request: 1000000000}", "server.max_tokens_per_request: 1000000000 is over 268435456"),
+        # keys that are not strings
+        ("tiers: {1: 2, x: 3}", "tiers.1: unknown key"),
     ],
 )
 def test_each_mistake_names_key_value_and_allowed(text: str, fragment: str) -> None:
