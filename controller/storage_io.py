@@ -21,7 +21,7 @@ import numpy as np
 from hicache.config import MemberSpec
 from hicache.controller.base import L3Op, L3Outcome, L3Stats
 from hicache.controller.l3_latency import L3OpRecorder
-from hicache.controller.workers import CircuitBreaker, ExistenceCache
+from hicache.controller.workers import BreakerOpen, CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
 from hicache.keys import storage_keys
 from hicache.tiers.base import HostPools
@@ -113,7 +113,7 @@ class L3Store:
                   host_ids: np.ndarray) -> tuple[list[str], list[_S]]:
         """One backend batch over the page objects of `host_ids`, through the breaker."""
         if not self.breaker.allow():
-            raise BackendUnavailable(f"{self.name}: circuit breaker open")
+            raise BreakerOpen(f"{self.name}: circuit breaker open")
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]
         buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]

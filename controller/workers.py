@@ -15,7 +15,19 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache.errors import BackendUnavailable
+
 log = logging.getLogger("hicache.controller")
+
+
+class NoRetry(Exception):
+    """Mixed into an exception that retrying cannot help right now (e.g. the L3 circuit
+    breaker is open): a Worker gives the job up at once instead of backing off with it
+    (which held each queued backup's L2 pages for ~6 s, one job after another)."""
+
+
+class BreakerOpen(BackendUnavailable, NoRetry):
+    """The L3 circuit breaker refused the call."""
 
 
 class CircuitBreaker:
@@ -147,18 +159,17 @@ class Worker:
     def submit(self, job: Job) -> bool:
         """False when the queue is full or the worker is closed (the job would never
         run): the caller gives up on it itself."""
+        # Checked and queued under one lock: `close` marks the worker closed under it
+        # before queueing its stop, so no accepted job can land behind the stop.
         with self._idle:
             if self._closed:
                 return False
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                return False
             self._busy += 1
-        try:
-            self._queue.put_nowait(job)
             return True
-        except queue.Full:
-            with self._idle:
-                self._busy -= 1
-                self._idle.notify_all()
-            return False
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted job finished; False on timeout."""
@@ -194,7 +205,7 @@ class Worker:
                 except BaseException as e:
                     job.attempts += 1
                     self.failures += 1
-                    if job.attempts > self._retries:
+                    if job.attempts > self._retries or isinstance(e, NoRetry):
                         log.warning("%s: giving up on %s after %d attempts: %s",
                                     self.name, job.name, job.attempts, e)
                         try:

@@ -41,3 +41,27 @@ def test_a_full_queue_refuses_jobs() -> None:
     worker = Worker("test", capacity=1)  # not started: the queue only fills
     assert worker.submit(Job("a", lambda: None, lambda _e: None))
     assert not worker.submit(Job("b", lambda: None, lambda _e: None))
+
+
+def test_a_job_that_retrying_cannot_help_is_given_up_at_once() -> None:
+    """With the L3 circuit breaker open a write fails at once, again and again: backing
+    off with every queued job (holding its L2 pages) would drain the queue for hours."""
+    from hicache.controller.workers import BreakerOpen
+
+    worker = Worker("test", capacity=8, retries=5, backoff_s=10.0)
+    worker.start()
+    try:
+        attempts: list[int] = []
+        gave_up: list[BaseException] = []
+
+        def refused() -> None:
+            attempts.append(1)
+            raise BreakerOpen("L3: circuit breaker open")
+
+        for _ in range(3):
+            assert worker.submit(Job("write", refused, gave_up.append))
+        assert worker.drain(5)  # (with the 10 s backoff, one retry would time this out)
+        assert len(attempts) == 3 and len(gave_up) == 3
+        assert all(isinstance(e, BreakerOpen) for e in gave_up)
+    finally:
+        worker.close()
