@@ -274,14 +274,16 @@ class Prefetcher:
                                           mamba_slot=slot, tier=Tier.HOST)
             for kind, ids in result.released.items():
                 self.ctl.transfers.free_l2(kind, ids)
-            end = result.end if result.end is not None else (op.pin.end if op.pin else None)
-            self._mark_in_storage(op, end, lo, hi, slot is not None)
+            # Owned by the tree (or freed) now: marked at once, so that nothing raising
+            # below makes `_finish_locked` free pages the tree holds.
             for kind in op.host:
                 if kind is MAMBA:
                     if slot is not None:
                         op.host[kind] = op.host[kind][1:]
                 else:
-                    op.host[kind][lo:hi] = -1  # owned by the tree (or freed) now
+                    op.host[kind][lo:hi] = -1
+            end = result.end if result.end is not None else (op.pin.end if op.pin else None)
+            self._mark_in_storage(op, end, lo, hi, slot is not None)
             with op.mu:
                 op.pages_ready = hi
             if op.to_l1 and end is not None:
