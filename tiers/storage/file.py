@@ -202,16 +202,22 @@ class FileBackend(StorageBackend):
             h = key_digest(key).hex()
             path = f"{root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
             try:
-                fd = os.open(path, os.O_RDONLY)
+                # Never follows a link, never blocks on a FIFO someone left there.
+                fd = os.open(path, _READ_FLAGS)
             except FileNotFoundError:
                 out.append(MISSING)
                 continue
             except OSError as e:
-                raise _unavailable(path, e) from None
+                if e.errno not in _NOT_AN_OBJECT:
+                    raise _unavailable(path, e) from None
+                out.append(0)  # no object of ours: corrupt, for this key only
+                continue
             try:
                 size = _read_object(fd, buf.data, extra)
             except OSError as e:
-                raise _unavailable(path, e) from None
+                if e.errno not in _NOT_AN_OBJECT:
+                    raise _unavailable(path, e) from None
+                size = 0  # e.g. a directory at the object's path
             finally:
                 os.close(fd)
             if size == buf.nbytes:
@@ -310,6 +316,12 @@ class FileBackend(StorageBackend):
     def used_bytes(self) -> int:
         with self._lock:
             return self._used
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+# Errors that say the path holds something other than an object (a link, a directory, a
+# FIFO or device): that key is corrupt, the backend is fine.
+_NOT_AN_OBJECT = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EAGAIN, errno.EINVAL})
 
 
 def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:

@@ -24,7 +24,11 @@ from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
 
 log = logging.getLogger(__name__)
 
-_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+# Any error of the client (connection, timeout, loading, READONLY, NOPERM, ...) for a
+# whole call: the store is unavailable to us, a typed error the controller handles.
+_DOWN = (redis.RedisError, OSError)
+WRONG_OBJECT = 0  # a reply that is no object of ours (an error, e.g. WRONGTYPE): a size
+# that never matches a buffer, so the caller counts the key corrupt and zeroes its buffer
 
 
 class RedisBackend(StorageBackend):
@@ -94,10 +98,18 @@ class RedisBackend(StorageBackend):
                 pipe = self.client.pipeline(transaction=False)
                 for key in keys[lo : lo + self.cfg.batch]:
                     pipe.get(key)
-                values = pipe.execute()
+                # Per-key errors come back as values: one key of another type (someone
+                # else's RPUSH) must not fail the batch, or the breaker, every time.
+                values = pipe.execute(raise_on_error=False)
                 for buf, value in zip(buffers[lo : lo + self.cfg.batch], values, strict=True):
                     if value is None:
                         out.append(MISSING)
+                        continue
+                    if isinstance(value, redis.ConnectionError | redis.TimeoutError):
+                        raise value
+                    if not isinstance(value, bytes):
+                        log.debug("redis: a get returned %r; the object is corrupt", value)
+                        out.append(WRONG_OBJECT)
                         continue
                     if len(value) == buf.nbytes:
                         buf[:] = np.frombuffer(value, dtype=np.uint8)
@@ -137,7 +149,12 @@ class RedisBackend(StorageBackend):
     def _probe(self) -> tuple[str, int | None, int | None]:
         try:
             self.client.ping()
+        except _DOWN as e:
+            raise _unavailable(e) from None
+        try:
             info = self.client.info("memory")
+        except redis.ResponseError as e:  # e.g. an ACL user without INFO: sizes unknown
+            return f"redis {_redact(self.cfg.url)} PING ok (no INFO: {e})", None, None
         except _DOWN as e:
             raise _unavailable(e) from None
         maxmemory = int(info.get("maxmemory", 0)) or None

@@ -215,3 +215,30 @@ def test_a_hung_mount_fails_every_call_within_the_timeout_then_recovers(
             time.sleep(0.01)
     assert backend.exists_prefix(stored) == 2
     backend.close()
+
+
+@pytest.mark.parametrize("junk", ["directory", "fifo", "symlink"])
+def test_something_else_at_an_object_path_is_that_key_corrupt_not_a_dead_store(
+    tmp_path: Path, junk: str
+) -> None:
+    """Anyone who can write to a shared directory can leave a directory, a FIFO or a link
+    where an object belongs: that key reads as corrupt (zeroed, counted), the rest of the
+    batch still hits, and nothing blocks (a FIFO opened for reading would)."""
+    backend = _backend(tmp_path / "store")
+    ks = keys(3)
+    src, dst = Pool(3, seed=1), Pool(3, seed=9)
+    assert backend.put_from([ks[0], ks[2]], src.slots([0, 2])) == [PutStatus.STORED] * 2
+    path = backend.path_of(ks[1])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if junk == "directory":
+        os.mkdir(path)
+    elif junk == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(backend.path_of(ks[0]), path)  # a valid object, but someone else's key
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT, GetStatus.HIT]
+    assert not dst.pages[1].any()
+    assert (dst.pages[2] == src.pages[2]).all()
+    assert backend.stats().corrupt == 1
+    assert backend.health().healthy
+    backend.close()

@@ -1,0 +1,47 @@
+"""Redis specifics: values that are no objects of ours, and users the store restricts."""
+
+from __future__ import annotations
+
+import redis
+from storage_pages import Pool, keys, storage_config
+
+from hicache.bench.services import RedisServer
+from hicache.tiers.storage import GetStatus, PutStatus, build_backend
+from hicache.types import StorageBackendName
+
+
+def test_a_key_of_another_type_is_that_key_corrupt_not_a_failed_batch(
+    redis_server: RedisServer,
+) -> None:
+    """Someone's RPUSH on a page key: GET answers WRONGTYPE for it. That key reads as
+    corrupt (zeroed, counted); the batch's other keys still hit, nothing is raised."""
+    backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=redis_server.url))
+    try:
+        ks = keys(3)
+        src, dst = Pool(3, seed=2), Pool(3, seed=8)
+        assert backend.put_from([ks[0], ks[2]], src.slots([0, 2])) == [PutStatus.STORED] * 2
+        redis.Redis.from_url(redis_server.url).rpush(ks[1], b"not an object")
+        assert backend.exists_prefix(ks) == 3  # present, just not ours
+        assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT, GetStatus.HIT]
+        assert not dst.pages[1].any()
+        assert (dst.pages[2] == src.pages[2]).all()
+        assert backend.stats().corrupt == 1
+    finally:
+        backend.close()
+
+
+def test_a_user_without_info_starts_and_reports_healthy(redis_server: RedisServer) -> None:
+    """An ACL user allowed GET/SET/EXISTS/DEL but not INFO: the backend starts and is
+    healthy (sizes unknown) rather than failing with an untyped NoPermissionError."""
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("hicache-limited", enabled=True, passwords=["+limited-secret-1"],
+                      keys=["*"], commands=["+@all", "-info"])
+    url = redis_server.url.replace("redis://", "redis://hicache-limited:limited-secret-1@")
+    backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=url))
+    try:
+        health = backend.health(deep=True)
+        assert health.healthy, health.detail
+        assert "no INFO" in health.detail and health.capacity_bytes is None
+    finally:
+        backend.close()
+        admin.acl_deluser("hicache-limited")
