@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -47,11 +48,42 @@ def segment_name(instance: str, pid: int, member: str) -> str:
     return f"{SEGMENT_PREFIX}{instance}-{pid}-{member}"
 
 
-def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink the segments of `instance` whose owner process is gone; return their names.
+class InstanceLock:
+    """An exclusive flock on `<shm_dir>/hicache-<instance>.lock`, held while a daemon's
+    pools live: two daemons cannot serve one instance, and the holder knows every other
+    segment of the instance is a dead daemon's. Unlike owner PIDs it holds across PID
+    namespaces sharing /dev/shm (containers, where every daemon is PID 1)."""
 
-    Raises `FailedPrecondition` when a live process (this one included) still owns
-    segments of `instance`: two daemons must not serve one instance.
+    def __init__(self, instance: str, shm_dir: Path = SHM_DIR) -> None:
+        segment_name(instance, 0, "x")  # validates the instance name
+        self.path = shm_dir / f"{SEGMENT_PREFIX}{instance}.lock"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FailedPrecondition(
+                f"daemon instance {instance!r} is already served by a live daemon (it holds "
+                f"{self.path}); stop it or pick another instance name"
+            ) from None
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # (while still held: no one locks a stale file)
+        os.close(self._fd)  # drops the lock
+        self._fd = None
+
+
+def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR,
+                           lock: InstanceLock | None = None) -> list[str]:
+    """Unlink the segments of `instance` whose owner is gone; return their names.
+
+    Holding the instance's `lock`, every segment of the instance is a dead daemon's (its
+    PID may even be ours: a restarted container is PID 1 again). Without it, a segment is
+    stale when its owner PID is not alive; `FailedPrecondition` when a live process (this
+    one included) owns one: two daemons must not serve one instance.
     """
     prefix = f"{SEGMENT_PREFIX}{instance}-"
     segment_name(instance, 0, "x")  # validates the instance name
@@ -61,7 +93,7 @@ def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR) -> list[str]:
         if not pid_text.isdigit():
             continue
         pid = int(pid_text)
-        if _process_alive(pid):
+        if lock is None and _process_alive(pid):
             raise FailedPrecondition(
                 f"daemon instance {instance!r} is already served by live pid {pid} "
                 f"(segment {shm_dir / path.name}); stop it or pick another instance name"
@@ -115,6 +147,8 @@ class _Segment:
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(path, flags, SEGMENT_MODE)
+            if create:
+                os.fchmod(fd, SEGMENT_MODE)  # the umask (0022 in containers) took group write
         except FileExistsError:
             raise FailedPrecondition(f"shm segment {path} already exists") from None
         except FileNotFoundError:
@@ -169,9 +203,11 @@ class ShmDevicePools(MemberTable, DevicePools):
         members: Sequence[MemberSpec],
         pages: Mapping[ComponentKind, int],
         shm_dir: Path = SHM_DIR,
+        lock: InstanceLock | None = None,
     ) -> None:
         MemberTable.__init__(self, members, pages, "l1")
         self._instance = instance
+        self._lock = lock
         self._segments: dict[str, _Segment] = {}
         self._arrays: dict[str, np.ndarray] = {}
         try:
@@ -192,11 +228,17 @@ class ShmDevicePools(MemberTable, DevicePools):
     def create(
         cls, cfg: HicacheConfig, instance: str, shm_dir: Path = SHM_DIR
     ) -> ShmDevicePools:
-        """Clean stale segments of `instance`, then create the pools sized by `cfg`."""
-        cleanup_stale_segments(instance, shm_dir)
-        members = cfg.model.members
-        pages = {m.component: cfg.pages_for(m.component) for m in members}
-        return cls(instance, members, pages, shm_dir)
+        """Lock `instance`, clean its stale segments, then create the pools sized by `cfg`
+        (they hold the lock until closed)."""
+        lock = InstanceLock(instance, shm_dir)
+        try:
+            cleanup_stale_segments(instance, shm_dir, lock)
+            members = cfg.model.members
+            pages = {m.component: cfg.pages_for(m.component) for m in members}
+            return cls(instance, members, pages, shm_dir, lock)
+        except BaseException:
+            lock.release()
+            raise
 
     @property
     def is_cuda(self) -> bool:
@@ -237,6 +279,9 @@ class ShmDevicePools(MemberTable, DevicePools):
         for seg in self._segments.values():
             seg.close(unlink=True)
         self._segments.clear()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def build_device_pools(

@@ -96,8 +96,18 @@ class Daemon:
         return self.proc.wait(timeout=timeout_s)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.stop(signal.SIGKILL)
+        """Stop the daemon like an operator would (SIGTERM: it unlinks its shared memory);
+        one that does not exit in time is killed and its segments removed here, so test
+        runs leave nothing in /dev/shm."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.stop(signal.SIGTERM, timeout_s=15.0)
+            except subprocess.TimeoutExpired:
+                self.stop(signal.SIGKILL)
+        for leftover in Path("/dev/shm").glob(f"hicache-*-{self.proc.pid}-*"):
+            leftover.unlink(missing_ok=True)
 
 
 def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:

@@ -181,8 +181,11 @@ def test_segments_of_a_killed_daemon_are_cleaned_at_start(instance: str, make_de
         stale = sorted(p.name for p in SHM_DIR.glob(f"hicache-{instance}-{proc.pid}-*"))
         assert len(stale) == 3
         # While the owner lives, a second daemon for the instance is refused.
-        with pytest.raises(FailedPrecondition, match=f"already served by live pid {proc.pid}"):
+        with pytest.raises(FailedPrecondition, match="already served by a live daemon"):
             ShmDevicePools.create(tiny_config(), instance)
+        # Without the instance lock, a live owner PID is the only sign (and refuses too).
+        with pytest.raises(FailedPrecondition, match=f"already served by live pid {proc.pid}"):
+            cleanup_stale_segments(instance)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
@@ -192,6 +195,26 @@ def test_segments_of_a_killed_daemon_are_cleaned_at_start(instance: str, make_de
     assert not any((SHM_DIR / name).exists() for name in stale)
     assert all(p.exists() for p in pools.segment_paths())
     assert cleanup_stale_segments("nobody_here") == []
+
+
+def test_segments_left_under_our_own_pid_are_stale_once_the_instance_is_locked(
+    instance: str, make_device: Make
+) -> None:
+    """In a container the daemon is PID 1 every time: after a SIGKILL (OOM, end of the
+    grace period) the restarted daemon finds segments 'owned' by its own, live, PID. The
+    instance lock says they are a dead daemon's; the restart must not crash-loop."""
+    leftover = SHM_DIR / f"hicache-{instance}-{os.getpid()}-full"
+    leftover.write_bytes(b"\0" * 4096)
+    try:
+        pools = make_device(tiny_config())
+        assert not leftover.exists() or leftover in pools.segment_paths()
+        for path in pools.segment_paths():  # the group may open them read-write
+            assert path.stat().st_mode & 0o777 == 0o660
+        with pytest.raises(FailedPrecondition, match="already served by a live daemon"):
+            ShmDevicePools.create(tiny_config(), instance)
+    finally:
+        if leftover.exists() and leftover not in pools.segment_paths():
+            leftover.unlink()
 
 
 def test_instance_names_are_checked() -> None:
