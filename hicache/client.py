@@ -288,27 +288,42 @@ class Client:
         m = self.match(tokens, namespace, lock=True, **kwargs)
         try:
             yield m
-        finally:
-            self._release_quietly(lock_id=m.lock_id)
-            self._release_quietly(allocation_id=m.allocation_id)
+        except BaseException:
+            # The body's error is the one the caller must see; a release that fails too
+            # is logged (the engine's lease frees the handles if it cannot reach us).
+            try:
+                self._release_quietly(lock_id=m.lock_id, allocation_id=m.allocation_id)
+            except HicacheError as e:
+                log.warning("releasing lock %d / allocation %d failed: %s",
+                            m.lock_id, m.allocation_id, e)
+            raise
+        self._release_quietly(lock_id=m.lock_id, allocation_id=m.allocation_id)
 
     @contextmanager
     def allocation(self, num_tokens: int, namespace: str = "", **kwargs: Any) -> Iterator[AllocationInfo]:
         a = self.allocate(num_tokens, namespace, **kwargs)
         try:
             yield a
-        finally:
-            self._release_quietly(allocation_id=a.allocation_id)
+        except BaseException:
+            try:
+                self._release_quietly(allocation_id=a.allocation_id)
+            except HicacheError as e:
+                log.warning("releasing allocation %d failed: %s", a.allocation_id, e)
+            raise
+        self._release_quietly(allocation_id=a.allocation_id)
 
     def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0) -> None:
+        """Release what is still held, both handles in one call (each its own op, so one
+        failing leaves the other released); handles an Insert consumed are fine."""
         from hicache.errors import NotFound
 
-        if not (lock_id or allocation_id):
+        ops = ([release_op(lock_id=lock_id)] if lock_id else []) + (
+            [release_op(allocation_id=allocation_id)] if allocation_id else [])
+        if not ops:
             return
-        try:
-            self.release(lock_id=lock_id or None, allocation_id=allocation_id or None)
-        except NotFound:
-            return  # consumed by Insert (or released already)
+        for result in self.batch(ops):
+            if isinstance(result, HicacheError) and not isinstance(result, NotFound):
+                raise result
 
     # ------------------------------------------------------------------ operator calls
 

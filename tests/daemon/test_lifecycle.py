@@ -139,3 +139,15 @@ def test_health_cli_exits_1_while_a_backend_is_down(
     assert backend["name"] == "redis" and backend["healthy"] is False
     with d.client() as c:
         assert c.serving("hicache.v1.HiCache")  # L1/L2 keep serving
+
+
+def test_a_release_that_cannot_reach_the_daemon_does_not_hide_the_body_error(
+    make_daemon: MakeDaemon,
+) -> None:
+    d = make_daemon()
+    with d.client(retries=0) as c:
+        c.attach(map_pools=False)
+        with pytest.raises(RuntimeError, match="engine failed"), \
+                c.matched(tokens(PAGE), allocate_tokens=PAGE):
+            assert d.stop(signal.SIGTERM) == 0  # the release at exit finds no daemon
+            raise RuntimeError("engine failed")

@@ -251,3 +251,19 @@ def test_a_body_that_is_no_valid_message_is_invalid_argument(daemon: Daemon) -> 
             assert "not a valid message" in info.value.details(), method
     with daemon.client(engine_id="after-junk", retries=0) as c:
         assert c.serving()
+
+
+def test_matched_releases_both_handles_and_never_hides_the_body_error(daemon: Daemon) -> None:
+    prompt = tokens(2 * PAGE, start=700_000)
+    with daemon.client(engine_id="ctx") as c:
+        c.attach(map_pools=False)
+        with pytest.raises(RuntimeError, match="engine failed"), \
+                c.matched(prompt, allocate_tokens=2 * PAGE) as m:
+            assert m.lock_id and m.allocation_id
+            raise RuntimeError("engine failed mid-prefill")
+        hb = c.heartbeat()
+        assert (hb.locks, hb.allocations) == (0, 0)
+        with c.matched(prompt, allocate_tokens=2 * PAGE) as m:  # the usual life: Insert
+            c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
+        hb = c.heartbeat()
+        assert (hb.locks, hb.allocations) == (0, 0)
