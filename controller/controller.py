@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 
@@ -50,6 +51,7 @@ from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBack
 
 log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
+HEALTH_PROBE_S = 5.0  # a healthy-looking L3 is asked this often (shallow probe)
 
 
 def _nothing() -> None:
@@ -88,10 +90,15 @@ class HybridCacheController(CacheService):
 
     def _probe_loop(self) -> None:
         """While the breaker is open, ask the backend every `probe_interval_s`; a healthy
-        answer closes the breaker and backups resume."""
+        answer closes the breaker and backups resume. Otherwise ask every
+        `HEALTH_PROBE_S`: an idle daemon makes no L3 calls, and readiness must still see
+        a required backend go down."""
         assert self.l3 is not None
+        last = time.monotonic()
         while not self._stop.wait(self.probe_interval_s):
-            if self.l3.breaker.is_open:
+            due = time.monotonic() - last >= HEALTH_PROBE_S
+            if self.l3.breaker.is_open or due:
+                last = time.monotonic()
                 try:
                     self.l3.probe(deep=False)
                 except Exception:
@@ -527,7 +534,8 @@ class HybridCacheController(CacheService):
     def serving(self) -> bool:
         if self.l3 is None or not self.cfg.storage.required:
             return True
-        return not self.l3.breaker.is_open
+        last = self.l3.last_health
+        return not self.l3.breaker.is_open and (last is None or last.healthy)
 
     def flush(self, timeout_s: float) -> int:
         return self.transfers.flush(timeout_s)

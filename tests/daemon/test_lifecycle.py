@@ -151,3 +151,21 @@ def test_a_release_that_cannot_reach_the_daemon_does_not_hide_the_body_error(
                 c.matched(tokens(PAGE), allocate_tokens=PAGE):
             assert d.stop(signal.SIGTERM) == 0  # the release at exit finds no daemon
             raise RuntimeError("engine failed")
+
+
+def test_readiness_sees_a_required_backend_go_down_without_traffic(
+    make_daemon: MakeDaemon, redis_factory: Callable[[], RedisServer]
+) -> None:
+    """An idle daemon makes no L3 calls, so its circuit breaker never trips: the periodic
+    shallow probe must still turn the overall health (readiness) NOT_SERVING."""
+    redis = redis_factory()
+    d = make_daemon("storage.backend=redis", f"storage.redis.url={redis.url}",
+                    "storage.timeout_s=1", "storage.required=true")
+    with d.client() as c:
+        assert c.serving()
+        redis.stop()
+        deadline = time.monotonic() + 20
+        while c.serving():
+            assert time.monotonic() < deadline, "still SERVING with its required L3 down"
+            time.sleep(0.2)
+        assert c.serving("hicache.v1.HiCache")  # L1/L2 keep serving (liveness)

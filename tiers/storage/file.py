@@ -298,6 +298,8 @@ class FileBackend(StorageBackend):
     def _probe(self) -> tuple[str, int | None, int | None]:
         def probe() -> tuple[str, int | None, int | None]:
             st = os.statvfs(self.root)
+            if not os.path.isdir(self.root):
+                raise BackendUnavailable(f"file: {self.root} is not a directory")
             if not os.access(self.root, os.W_OK):
                 raise BackendUnavailable(f"file: {self.root} is not writable")
             free = st.f_bavail * st.f_frsize
