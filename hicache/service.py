@@ -12,6 +12,7 @@ after `Attach`); Attach and Heartbeat carry it in the request instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,7 @@ import grpc
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
 from hicache.controller.base import CacheService
-from hicache.errors import InvalidArgument
+from hicache.errors import HicacheError, InvalidArgument
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
@@ -132,7 +133,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self._heartbeat("", request)
 
     def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._match(engine_of(context), request)
+        engine = engine_of(context)
+        response = self._match(engine, request)
+        if not context.is_active():  # the caller gave up (deadline, cancel): it never
+            # learns these handles, and its heartbeats would keep them for its lifetime
+            self._drop_handles(engine, response.lock_id, response.allocation_id)
+        return response
 
     def Load(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         for progress in self._core.load(engine_of(context), request.lock_id):
@@ -145,7 +151,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self._cancel_prefetch("", request)
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._allocate(engine_of(context), request)
+        engine = engine_of(context)
+        response = self._allocate(engine, request)
+        if not context.is_active() and not request.allocation_id:  # (a grown one it knows)
+            self._drop_handles(engine, 0, response.allocation_id)
+        return response
+
+    def _drop_handles(self, engine: str, lock_id: int, allocation_id: int) -> None:
+        for lock, allocation in ((lock_id, 0), (0, allocation_id)):
+            if lock or allocation:
+                with contextlib.suppress(HicacheError):  # released meanwhile: fine
+                    self._core.release(engine, lock or None, allocation or None)
 
     def Insert(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._hold_background_until_sent(context)

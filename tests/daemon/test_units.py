@@ -203,3 +203,43 @@ def test_an_unexpected_exception_is_internal_logged_and_the_daemon_keeps_serving
     }
     assert samples[("hicache.v1.HiCache/Stats", "INTERNAL")] == 1
     assert samples[("hicache.v1.HiCache/Batch", "OK")] == 1
+
+
+def test_handles_of_a_call_the_caller_gave_up_on_are_released(
+    in_process: tuple[Daemon, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's deadline passes while the daemon still matches (or allocates): it
+    gets DEADLINE_EXCEEDED and never learns the lock or allocation ids, so the daemon
+    releases them itself (the engine's heartbeats would otherwise keep them forever)."""
+    import time
+
+    daemon, client = in_process
+    client.attach(map_pools=False)
+    core = daemon.core
+    match, allocate = core.match, core.allocate
+
+    def slow_match(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = match(*args, **kwargs)
+        time.sleep(0.3)
+        return out
+
+    def slow_allocate(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = allocate(*args, **kwargs)
+        time.sleep(0.3)
+        return out
+
+    monkeypatch.setattr(core, "match", slow_match)
+    monkeypatch.setattr(core, "allocate", slow_allocate)
+    with Client(daemon.endpoint.target, retries=0, timeout_s=0.1, engine_id=client.engine_id) as hasty:
+        hasty.attach(map_pools=False)  # the same engine, a tighter deadline
+        with pytest.raises(errors.HicacheError, match=r"(?i)deadline"):
+            hasty.match(tokens(128), lock=True, allocate_tokens=128)
+        with pytest.raises(errors.HicacheError, match=r"(?i)deadline"):
+            hasty.allocate(64)
+    deadline = time.monotonic() + 5
+    while True:  # the handlers finish after the caller left
+        hb = client.heartbeat()
+        if (hb.locks, hb.allocations) == (0, 0):
+            break
+        assert time.monotonic() < deadline, (hb.locks, hb.allocations)
+        time.sleep(0.05)
