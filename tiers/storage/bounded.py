@@ -99,6 +99,8 @@ class BoundedCaller:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=timeout)
+        except cf.CancelledError:  # `close` cancelled it before it ran
+            raise BackendUnavailable(f"{self.name}: closed") from None
         except cf.TimeoutError:
             self._stick([future])
             raise BackendUnavailable(

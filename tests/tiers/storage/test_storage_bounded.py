@@ -1,9 +1,13 @@
-"""`BoundedCaller.submit_started`: it returns once a worker runs the call, not merely queued."""
+"""`BoundedCaller`: `submit_started` returns once a worker runs the call, not merely
+queued; calls cancelled by `close` fail with the typed error."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+
+from hicache.errors import BackendUnavailable
 from hicache.tiers.storage.bounded import BoundedCaller
 
 
@@ -36,3 +40,16 @@ def test_submit_started_gives_up_waiting_when_every_worker_is_busy() -> None:
     finally:
         gate.set()
         caller.close()
+
+
+def test_a_call_cancelled_by_close_is_backend_unavailable() -> None:
+    """`close` cancels queued calls: their callers get the typed error, not CancelledError."""
+    caller = BoundedCaller("test", timeout_s=30.0, workers=1)
+    gate = threading.Event()
+    busy = caller.submit(gate.wait, 10)  # the only worker is busy ...
+    queued = caller.submit(lambda: 7)  # ... so this one waits in the queue
+    caller.close()
+    gate.set()
+    with pytest.raises(BackendUnavailable, match="closed"):
+        caller.result(queued)
+    assert caller.result(busy) is True
