@@ -253,9 +253,15 @@ class ShmDevicePools(MemberTable, DevicePools):
 
     def layer(self, member: str, layer: int) -> torch.Tensor:
         self.checked_layer(member, layer)
+        self._require_open()
         return torch.from_numpy(self._arrays[member][layer])
 
+    def _require_open(self) -> None:
+        if not self._segments:
+            raise FailedPrecondition(f"L1 pools of instance {self._instance!r} are closed")
+
     def descriptors(self) -> tuple[PoolDescriptor, ...]:
+        self._require_open()
         out = []
         for spec in self.members:
             n = self.num_pages(spec.component)

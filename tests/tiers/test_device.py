@@ -73,6 +73,10 @@ def test_close_unlinks_every_segment(make_device: Make) -> None:
     pools.close()
     assert not any(p.exists() for p in paths)
     pools.close()  # idempotent
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pools.layer("full", 0)
+    with pytest.raises(FailedPrecondition, match="closed"):
+        pools.descriptors()
 
 
 def test_segments_get_their_memory_at_creation(make_device: Make) -> None:
