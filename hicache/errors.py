@@ -59,6 +59,13 @@ class BackendUnavailable(Unavailable):
     """An L3 backend did not answer (connection refused, timeout, disk full, permission)."""
 
 
+class DeadlineExceeded(HicacheError):
+    """Too little of the caller's deadline was left to deliver the reply: what the call
+    made for the caller (locks, allocations) was released instead."""
+
+    grpc_code_name = "DEADLINE_EXCEEDED"
+
+
 class ObjectCorrupt(HicacheError):
     """An L3 object failed its header or checksum check; callers treat it as a miss."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ import grpc
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
 from hicache.controller.base import CacheService
-from hicache.errors import HicacheError, InvalidArgument
+from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
@@ -50,6 +51,20 @@ def engine_of(context: grpc.ServicerContext) -> str:
         if key == ENGINE_HEADER:
             return scoped_engine(value if isinstance(value, str) else value.decode())
     return ""
+
+
+# A handle-making reply with less of the caller's deadline left than this is not sent:
+# delivering it takes ~0.3-1 ms here, and a reply that arrives late leaks its handles.
+REPLY_MARGIN_S = 0.005
+
+
+def _cancelled(context: grpc.ServicerContext) -> bool:
+    """Whether the caller cancelled the ended RPC or let its deadline pass.
+    NOTE: grpc's sync server keeps this only in the context's private RPC state; where
+    that is missing (another grpc version) this says False and only the check while the
+    handler runs remains."""
+    state = getattr(context, "_state", None)
+    return getattr(state, "client", None) == "cancelled"
 
 
 def scoped_engine(engine_id: str) -> str:
@@ -135,9 +150,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         response = self._match(engine, request)
-        if not context.is_active():  # the caller gave up (deadline, cancel): it never
-            # learns these handles, and its heartbeats would keep them for its lifetime
-            self._drop_handles(engine, response.lock_id, response.allocation_id)
+        self._drop_if_abandoned(context, engine, [response.lock_id], [response.allocation_id])
         return response
 
     def Load(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -153,15 +166,49 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         response = self._allocate(engine, request)
-        if not context.is_active() and not request.allocation_id:  # (a grown one it knows)
-            self._drop_handles(engine, 0, response.allocation_id)
+        if not request.allocation_id:  # (a grown allocation the engine knows already)
+            self._drop_if_abandoned(context, engine, [], [response.allocation_id])
         return response
 
-    def _drop_handles(self, engine: str, lock_id: int, allocation_id: int) -> None:
-        for lock, allocation in ((lock_id, 0), (0, allocation_id)):
-            if lock or allocation:
-                with contextlib.suppress(HicacheError):  # released meanwhile: fine
-                    self._core.release(engine, lock or None, allocation or None)
+    def _drop_if_abandoned(self, context: grpc.ServicerContext, engine: str,
+                           locks: list[int], allocations: list[int]) -> None:
+        """Handles this RPC made, released if its caller gives up on it (deadline passed,
+        cancelled): the engine never learns their ids, and its heartbeats would keep them,
+        and their pages, for its lifetime. Checked now, and again when the RPC has ended
+        (the deadline may pass while the reply is being sent)."""
+        locks = [h for h in locks if h]
+        allocations = [h for h in allocations if h]
+        if not (locks or allocations):
+            return
+        if not context.is_active():
+            self._drop_handles(engine, locks, allocations)
+            return
+        left = context.time_remaining()
+        if left is not None and left < REPLY_MARGIN_S:
+            # A reply this late may reach the caller after its deadline: the caller then
+            # sees DEADLINE_EXCEEDED while the handles stay made (the RPC ended well on
+            # this side, nothing here can tell). Release them and say so instead.
+            self._drop_handles(engine, locks, allocations)
+            raise DeadlineExceeded(
+                f"{left * 1e3:.1f} ms of the caller's deadline left to reply (under "
+                f"{REPLY_MARGIN_S * 1e3:g} ms): the locks and allocations made were released"
+            )
+
+        def at_end() -> None:  # on gRPC's poller thread: never wait for the core there
+            if _cancelled(context):
+                threading.Thread(target=self._drop_handles, args=(engine, locks, allocations),
+                                 name="hicache-drop-abandoned", daemon=True).start()
+
+        if not context.add_callback(at_end):
+            at_end()
+
+    def _drop_handles(self, engine: str, locks: list[int], allocations: list[int]) -> None:
+        for lock in locks:
+            with contextlib.suppress(HicacheError):  # consumed or released meanwhile: fine
+                self._core.release(engine, lock, None)
+        for allocation in allocations:
+            with contextlib.suppress(HicacheError):
+                self._core.release(engine, None, allocation)
 
     def Insert(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._hold_background_until_sent(context)
@@ -182,6 +229,16 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         response = pb.BatchResponse()
         self._hold_background_until_sent(context)  # and its ops' copies go in one flush
         self._run_batch(request.ops, engine, principal, response)
+        locks: list[int] = []
+        allocations: list[int] = []
+        for op, result in zip(request.ops, response.results, strict=True):
+            kind = result.WhichOneof("result")
+            if kind == "match_prefix":
+                locks.append(result.match_prefix.lock_id)
+                allocations.append(result.match_prefix.allocation_id)
+            elif kind == "allocate" and not op.allocate.allocation_id:
+                allocations.append(result.allocate.allocation_id)
+        self._drop_if_abandoned(context, engine, locks, allocations)
         return response
 
     def _hold_background_until_sent(self, context: grpc.ServicerContext) -> None:

@@ -243,3 +243,57 @@ def test_handles_of_a_call_the_caller_gave_up_on_are_released(
             break
         assert time.monotonic() < deadline, (hb.locks, hb.allocations)
         time.sleep(0.05)
+
+
+def test_handles_of_calls_whose_deadline_passes_while_replying_are_released(
+    in_process: tuple[Daemon, Client],
+) -> None:
+    """Deadlines of 1 ms: some pass while the handler runs, some while the reply is being
+    sent (after the handler's own check). Either way, and for Batch calls too, every lock
+    and allocation the engine never learned of is released."""
+    import threading
+    import time
+
+    from hicache.client import match_op
+
+    daemon, client = in_process
+    client.attach(map_pools=False)
+    hasty = Client(daemon.endpoint.target, retries=0, timeout_s=0.001, engine_id=client.engine_id)
+    hasty._metadata = client._metadata  # the same engine, without its own (timed) Attach
+    gave_up = [0]
+
+    def requests(t: int) -> None:
+        for i in range(150):
+            try:
+                m = hasty.match(tokens(64, start=10_000_000 * (t + 1) + 100 * i), lock=True,
+                                allocate_tokens=64)
+            except errors.HicacheError:
+                gave_up[0] += 1
+                continue
+            client.release(lock_id=m.lock_id)
+            client.release(allocation_id=m.allocation_id)
+
+    threads = [threading.Thread(target=requests, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(3):
+        ops = [match_op(tokens(256, start=50_000_000 + 10_000 * k + 1_000_000 * i), lock=True,
+                        allocate_tokens=64) for k in range(16)]
+        try:
+            for r in hasty.batch(ops):
+                if not isinstance(r, errors.HicacheError):
+                    client.release(lock_id=r.lock_id)
+                    client.release(allocation_id=r.allocation_id)
+        except errors.HicacheError:
+            gave_up[0] += 1
+    hasty.close()
+    assert gave_up[0] > 0  # the deadlines did pass
+    deadline = time.monotonic() + 5
+    while True:
+        hb = client.heartbeat()
+        if (hb.locks, hb.allocations) == (0, 0):
+            break
+        assert time.monotonic() < deadline, (hb.locks, hb.allocations)
+        time.sleep(0.05)
