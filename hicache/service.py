@@ -67,6 +67,20 @@ def _cancelled(context: grpc.ServicerContext) -> bool:
     return getattr(state, "client", None) == "cancelled"
 
 
+def _batch_handles(request: Any, response: Any) -> tuple[list[int], list[int]]:
+    """Lock and allocation ids a Batch's ops made (not those of grown allocations)."""
+    locks: list[int] = []
+    allocations: list[int] = []
+    for op, result in zip(request.ops, response.results, strict=True):
+        kind = result.WhichOneof("result")
+        if kind == "match_prefix":
+            locks.append(result.match_prefix.lock_id)
+            allocations.append(result.match_prefix.allocation_id)
+        elif kind == "allocate" and not op.allocate.allocation_id:
+            allocations.append(result.allocate.allocation_id)
+    return locks, allocations
+
+
 def scoped_engine(engine_id: str) -> str:
     """The engine id the core knows: with bearer tokens, the token's label and the id the
     engine sent, so that a caller with another token naming the same engine reaches a
@@ -150,7 +164,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)
         response = self._match(engine, request)
-        self._drop_if_abandoned(context, engine, [response.lock_id], [response.allocation_id])
+        if response.lock_id or response.allocation_id:
+            self._drop_if_abandoned(
+                context, engine, lambda: ([response.lock_id], [response.allocation_id])
+            )
         return response
 
     def Load(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -167,28 +184,25 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         engine = engine_of(context)
         response = self._allocate(engine, request)
         if not request.allocation_id:  # (a grown allocation the engine knows already)
-            self._drop_if_abandoned(context, engine, [], [response.allocation_id])
+            self._drop_if_abandoned(context, engine, lambda: ([], [response.allocation_id]))
         return response
 
     def _drop_if_abandoned(self, context: grpc.ServicerContext, engine: str,
-                           locks: list[int], allocations: list[int]) -> None:
-        """Handles this RPC made, released if its caller gives up on it (deadline passed,
-        cancelled): the engine never learns their ids, and its heartbeats would keep them,
-        and their pages, for its lifetime. Checked now, and again when the RPC has ended
-        (the deadline may pass while the reply is being sent)."""
-        locks = [h for h in locks if h]
-        allocations = [h for h in allocations if h]
-        if not (locks or allocations):
-            return
+                           made: Callable[[], tuple[list[int], list[int]]]) -> None:
+        """Handles this RPC made (`made()`: lock ids, allocation ids; read only when
+        needed), released if its caller gives up on it (deadline passed, cancelled): the
+        engine never learns their ids, and its heartbeats would keep them, and their
+        pages, for its lifetime. Checked now, and again when the RPC has ended (the
+        deadline may pass while the reply is being sent)."""
         if not context.is_active():
-            self._drop_handles(engine, locks, allocations)
+            self._drop_handles(engine, *made())
             return
         left = context.time_remaining()
         if left is not None and left < REPLY_MARGIN_S:
             # A reply this late may reach the caller after its deadline: the caller then
             # sees DEADLINE_EXCEEDED while the handles stay made (the RPC ended well on
             # this side, nothing here can tell). Release them and say so instead.
-            self._drop_handles(engine, locks, allocations)
+            self._drop_handles(engine, *made())
             raise DeadlineExceeded(
                 f"{left * 1e3:.1f} ms of the caller's deadline left to reply (under "
                 f"{REPLY_MARGIN_S * 1e3:g} ms): the locks and allocations made were released"
@@ -196,17 +210,19 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
         def at_end() -> None:  # on gRPC's poller thread: never wait for the core there
             if _cancelled(context):
-                threading.Thread(target=self._drop_handles, args=(engine, locks, allocations),
+                threading.Thread(target=self._drop_handles, args=(engine, *made()),
                                  name="hicache-drop-abandoned", daemon=True).start()
 
         if not context.add_callback(at_end):
             at_end()
 
     def _drop_handles(self, engine: str, locks: list[int], allocations: list[int]) -> None:
-        for lock in locks:
-            with contextlib.suppress(HicacheError):  # consumed or released meanwhile: fine
+        """Release each handle (ids of 0 are none); ones consumed or released meanwhile
+        are fine."""
+        for lock in filter(None, locks):
+            with contextlib.suppress(HicacheError):
                 self._core.release(engine, lock, None)
-        for allocation in allocations:
+        for allocation in filter(None, allocations):
             with contextlib.suppress(HicacheError):
                 self._core.release(engine, None, allocation)
 
@@ -229,16 +245,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         response = pb.BatchResponse()
         self._hold_background_until_sent(context)  # and its ops' copies go in one flush
         self._run_batch(request.ops, engine, principal, response)
-        locks: list[int] = []
-        allocations: list[int] = []
-        for op, result in zip(request.ops, response.results, strict=True):
-            kind = result.WhichOneof("result")
-            if kind == "match_prefix":
-                locks.append(result.match_prefix.lock_id)
-                allocations.append(result.match_prefix.allocation_id)
-            elif kind == "allocate" and not op.allocate.allocation_id:
-                allocations.append(result.allocate.allocation_id)
-        self._drop_if_abandoned(context, engine, locks, allocations)
+        self._drop_if_abandoned(context, engine, lambda: _batch_handles(request, response))
         return response
 
     def _hold_background_until_sent(self, context: grpc.ServicerContext) -> None:
