@@ -60,6 +60,10 @@ MISSING = -1  # `_read_into` result for a key that is not in the store
 # itself, right after reading it, while its bytes were still in the CPU cache (hashing a
 # 64 KiB page costs ~1.5 µs then, ~5 µs once other pages pushed it out).
 VERIFIED = -2
+# `_read_into` result for a key whose stored thing is no object of ours (a Redis value of
+# another type, a directory or FIFO at a file's path): a size no buffer has, so the
+# caller counts that key corrupt and zeroes its buffer; the rest of the batch goes on.
+NOT_AN_OBJECT = 0
 CANARY_PAYLOAD = 4096
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
-from hicache.tiers.storage.base import MISSING, VERIFIED, PutStatus, StorageBackend
+from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, VERIFIED, PutStatus, StorageBackend
 from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import check_object, key_digest
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
@@ -208,16 +208,16 @@ class FileBackend(StorageBackend):
                 out.append(MISSING)
                 continue
             except OSError as e:
-                if e.errno not in _NOT_AN_OBJECT:
+                if e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
-                out.append(0)  # no object of ours: corrupt, for this key only
+                out.append(NOT_AN_OBJECT)
                 continue
             try:
                 size = _read_object(fd, buf.data, extra)
             except OSError as e:
-                if e.errno not in _NOT_AN_OBJECT:
+                if e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
-                size = 0  # e.g. a directory at the object's path
+                size = NOT_AN_OBJECT  # e.g. a directory at the object's path
             finally:
                 os.close(fd)
             if size == buf.nbytes:
@@ -323,7 +323,7 @@ class FileBackend(StorageBackend):
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
 # Errors that say the path holds something other than an object (a link, a directory, a
 # FIFO or device): that key is corrupt, the backend is fine.
-_NOT_AN_OBJECT = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EAGAIN, errno.EINVAL})
+_NOT_AN_OBJECT_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EAGAIN, errno.EINVAL})
 
 
 def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:

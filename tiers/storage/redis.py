@@ -20,15 +20,13 @@ import redis
 
 from hicache.config import RedisStorageConfig
 from hicache.errors import BackendUnavailable
-from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
+from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
 
 log = logging.getLogger(__name__)
 
 # Any error of the client (connection, timeout, loading, READONLY, NOPERM, ...) for a
 # whole call: the store is unavailable to us, a typed error the controller handles.
 _DOWN = (redis.RedisError, OSError)
-WRONG_OBJECT = 0  # a reply that is no object of ours (an error, e.g. WRONGTYPE): a size
-# that never matches a buffer, so the caller counts the key corrupt and zeroes its buffer
 
 
 class RedisBackend(StorageBackend):
@@ -109,7 +107,7 @@ class RedisBackend(StorageBackend):
                         raise value
                     if not isinstance(value, bytes):
                         log.debug("redis: a get returned %r; the object is corrupt", value)
-                        out.append(WRONG_OBJECT)
+                        out.append(NOT_AN_OBJECT)
                         continue
                     if len(value) == buf.nbytes:
                         buf[:] = np.frombuffer(value, dtype=np.uint8)
