@@ -485,11 +485,10 @@ class HiRadixTree:
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
-        fresh = pos < total
-        if fresh:
+        if pos < total:
             node = self._add_suffix(node, tokens, pos, total, provided, gapped, begin, tick, tier)
         if mamba_slot is not None:
-            self._place_checkpoint(node, mamba_slot, released, tier, fresh)
+            self._place_checkpoint(node, mamba_slot, released, tier)
         if lock is not None:
             if keep_lock:
                 self._move_lock(lock, node, tokens)
@@ -640,18 +639,10 @@ class HiRadixTree:
                 queues[ci].offer(node)
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
-                          tier: int, fresh: bool) -> None:
-        """The checkpoint at `node`, the insert's end; `fresh`: the insert created it (no
-        lock, no other tier, no checkpoint yet), so `_set`'s bookkeeping reduces to this."""
+                          tier: int) -> None:
         ids = np.array([slot], dtype=np.int64)
         for comp in self._point_comps:
             ci = comp.index
-            if fresh:
-                node.mask[ci] = 1 << tier
-                self._resident[tier][ci] += 1
-                node.res[ci * PAGED_TIERS + tier] = ids
-                self._queues[tier][ci].offer(node)
-                continue
             held = node.res[ci * PAGED_TIERS + tier]
             if held is None and node.parent is not None and node.mask[FULL_INDEX] & (1 << tier):
                 self._set(node, comp, tier, ids)
