@@ -286,31 +286,28 @@ class Client:
         """`match(lock=True)`; on exit releases the lock and any allocation that an
         `insert` did not consume (already-released handles are fine)."""
         m = self.match(tokens, namespace, lock=True, **kwargs)
-        try:
+        with self._released_on_exit(lock_id=m.lock_id, allocation_id=m.allocation_id):
             yield m
-        except BaseException:
-            # The body's error is the one the caller must see; a release that fails too
-            # is logged (the engine's lease frees the handles if it cannot reach us).
-            try:
-                self._release_quietly(lock_id=m.lock_id, allocation_id=m.allocation_id)
-            except HicacheError as e:
-                log.warning("releasing lock %d / allocation %d failed: %s",
-                            m.lock_id, m.allocation_id, e)
-            raise
-        self._release_quietly(lock_id=m.lock_id, allocation_id=m.allocation_id)
 
     @contextmanager
     def allocation(self, num_tokens: int, namespace: str = "", **kwargs: Any) -> Iterator[AllocationInfo]:
         a = self.allocate(num_tokens, namespace, **kwargs)
-        try:
+        with self._released_on_exit(allocation_id=a.allocation_id):
             yield a
+
+    @contextmanager
+    def _released_on_exit(self, *, lock_id: int = 0, allocation_id: int = 0) -> Iterator[None]:
+        try:
+            yield
         except BaseException:
+            # The body's error is the one the caller must see; a release that fails too
+            # is logged (the engine's lease frees the handles if it cannot reach us).
             try:
-                self._release_quietly(allocation_id=a.allocation_id)
+                self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
             except HicacheError as e:
-                log.warning("releasing allocation %d failed: %s", a.allocation_id, e)
+                log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
             raise
-        self._release_quietly(allocation_id=a.allocation_id)
+        self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
 
     def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0) -> None:
         """Release what is still held, both handles in one call (each its own op, so one
