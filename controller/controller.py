@@ -8,6 +8,7 @@ Every transfer moves a whole family (a component and its sidecars share page ids
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -241,11 +242,14 @@ class HybridCacheController(CacheService):
                     if prefetch_id:
                         self._prefetch_of_lock[lock_id] = prefetch_id
             except BaseException:
-                # The caller gets an error, never these handles: nothing may stay held.
-                if alloc_id:
-                    self._free_allocation(self._engines.pop_allocation(engine_id, alloc_id))
-                if lock_id:
-                    self._drop_lock(engine_id, lock_id)
+                # The caller gets an error, never these handles: nothing may stay held (a
+                # prefetch started is cancelled; what arrives still lands, for later).
+                op = self.prefetcher.get(prefetch_id) if prefetch_id else None
+                if op is not None:
+                    op.cancel()
+                if lock_id or alloc_id:
+                    with contextlib.suppress(NotFound):  # lease lapsed: released with it
+                        self.release(engine_id, lock_id or None, alloc_id or None)
                 raise
             device_pages = self._by_member(m.device_pages)
         return MatchOutcome(
@@ -270,19 +274,6 @@ class HybridCacheController(CacheService):
         return out
 
     # ------------------------------------------------------------------ allocation
-
-    def _drop_lock(self, engine_id: str, lock_id: int) -> None:
-        """Release a lock the engine never learned of (its request failed)."""
-        try:
-            record = self._engines.pop_lock(engine_id, lock_id)
-        except NotFound:  # the engine's lease lapsed meanwhile: released with it
-            return
-        prefetch_id = self._prefetch_of_lock.pop(lock_id, 0)
-        prefetch = self.prefetcher.get(prefetch_id) if prefetch_id else None
-        if prefetch is not None:
-            prefetch.cancel()  # what arrives still lands, for later requests
-        if record.tree_lock.active:
-            self.tree.unlock(record.tree_lock)
 
     def _allocate_family(self, n: int, with_slot: bool) -> tuple[dict[ComponentKind, np.ndarray], int | None]:
         """`n` L1 pages of every paged kind (and a MAMBA slot): all of them or, raising,
