@@ -93,13 +93,18 @@ def gate_after_first_layer(ctl) -> threading.Event:
     return gate
 
 
-def test_load_reports_layers_before_the_next_is_copied(make) -> None:
+def matched_in_l2_with_gated_load(make):  # type: ignore[no-untyped-def]
+    """A 4-page request only in L2, matched with a lock, its loads gated after layer 0."""
     ctl = make(write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     eng.request(seq(4))
     evict_all(ctl, Tier.DEVICE)
     m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
-    gate = gate_after_first_layer(ctl)
+    return ctl, eng, m, gate_after_first_layer(ctl)
+
+
+def test_load_reports_layers_before_the_next_is_copied(make) -> None:
+    ctl, eng, m, gate = matched_in_l2_with_gated_load(make)
     seen: list[int] = []
     stream = ctl.load("e1", m.lock_id)
     first = next(stream)
@@ -113,12 +118,7 @@ def test_load_reports_layers_before_the_next_is_copied(make) -> None:
 
 
 def test_a_load_stream_abandoned_midway_still_lands_and_leaks_nothing(make) -> None:
-    ctl = make(write__l1_to_l2="write_through", storage__backend="none")
-    eng = Engine(ctl)
-    eng.request(seq(4))
-    evict_all(ctl, Tier.DEVICE)
-    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
-    gate = gate_after_first_layer(ctl)
+    ctl, eng, m, gate = matched_in_l2_with_gated_load(make)
     stream = ctl.load("e1", m.lock_id)
     assert next(stream).layers_ready == 1
     # The engine goes away mid-stream (gRPC closes the generator); the copy into the

@@ -25,6 +25,17 @@ def _in_l3_only(ctl, eng: Engine, tokens: bytes) -> None:
     evict_all(ctl, Tier.HOST)
 
 
+def _in_l3_only_with_copier(make, pages: int):  # type: ignore[no-untyped-def]
+    """A controller writing through to L3, a request of `pages` pages now only in L3,
+    and the copy engine with its real `host_to_device` (for the test to wrap)."""
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(pages)
+    _in_l3_only(ctl, eng, tokens)
+    copier = ctl.transfers.copier
+    return ctl, eng, tokens, copier, copier.host_to_device
+
+
 def _prefetch(ctl, tokens: bytes) -> None:
     """Match with a prefetch, wait for it to finish, release the lock."""
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
@@ -89,12 +100,7 @@ def test_below_a_prefix_that_only_l2_holds_the_prefetch_stays_in_l2(make) -> Non
 
 
 def test_a_node_split_while_its_copy_to_l1_runs_lands_in_both_halves(make) -> None:
-    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
-    eng = Engine(ctl)
-    tokens = seq(6)
-    _in_l3_only(ctl, eng, tokens)
-    copier = ctl.transfers.copier
-    real = copier.host_to_device
+    ctl, eng, tokens, copier, real = _in_l3_only_with_copier(make, 6)
     copying, go = threading.Event(), threading.Event()
 
     def gated(kind, host, dev, on_layer=None):
@@ -120,12 +126,7 @@ def test_a_node_split_while_its_copy_to_l1_runs_lands_in_both_halves(make) -> No
 
 
 def test_a_failed_copy_to_l1_frees_its_l1_pages_and_the_pages_stay_in_l2(make) -> None:
-    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
-    eng = Engine(ctl)
-    tokens = seq(6)
-    _in_l3_only(ctl, eng, tokens)
-    copier = ctl.transfers.copier
-    real = copier.host_to_device
+    ctl, eng, tokens, copier, real = _in_l3_only_with_copier(make, 6)
 
     def broken(kind, host, dev, on_layer=None):
         raise RuntimeError("copy engine fault")
@@ -145,13 +146,8 @@ def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(mak
     """The last batch is copied inline while earlier ones are still on the worker: it
     waits for them, so no node ever sits in L1 below one that is not (checked at every
     landing)."""
-    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
-    eng = Engine(ctl)
-    tokens = seq(7)
-    _in_l3_only(ctl, eng, tokens)
+    ctl, eng, tokens, copier, real = _in_l3_only_with_copier(make, 7)
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)
-    copier = ctl.transfers.copier
-    real = copier.host_to_device
 
     def slow_on_the_worker(kind, host, dev, on_layer=None):
         if threading.current_thread().name == "hicache-prefetch-to-l1":
@@ -177,13 +173,8 @@ def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(mak
 def test_after_a_failed_copy_later_batches_stay_in_l2(make, monkeypatch) -> None:
     """The first batch's copy to L1 fails: the later ones must not land below it (their
     L1 pages are freed); the whole prefix stays in L2 and a load brings it up."""
-    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
-    eng = Engine(ctl)
-    tokens = seq(7)
-    _in_l3_only(ctl, eng, tokens)
+    ctl, eng, tokens, copier, real = _in_l3_only_with_copier(make, 7)
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)
-    copier = ctl.transfers.copier
-    real = copier.host_to_device
     calls = []
 
     def first_fails(kind, host, dev, on_layer=None):
