@@ -322,3 +322,17 @@ def test_release_of_held_copies_never_waits_for_a_busy_controller(make) -> None:
     assert ctl.transfers.stats["l2_flushes"] == 1
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
     release()  # already released: nothing happens
+
+
+def test_a_closed_copy_worker_leaves_copies_queued_rather_than_copying_inline(make) -> None:
+    """Shutting down: the copy worker is closed and the pools go next. A write-through
+    copy queued then must not be copied inline (a full queue is copied inline, so that
+    backups are not lost while the daemon runs)."""
+    ctl = make()
+    eng = Engine(ctl)
+    ctl.transfers.copy_worker.close()
+    assert ctl.transfers.copy_worker.closed
+    eng.request(seq(2))
+    assert ctl.transfers.stats["l2_flushes"] == 0
+    assert ctl.transfers._pending_l2  # still queued, not copied here
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
