@@ -196,6 +196,8 @@ class L3Stats:
     ops: tuple[L3OpLatency, ...]
     bytes_read: int = 0  # objects read intact (GetStatus.HIT)
     bytes_written: int = 0  # objects stored (PutStatus.STORED)
+    corrupt: int = 0  # objects read that failed verification (each a miss)
+    corrupt_removed: int = 0  # of those, removed from the store (see tiers/storage/base.py)
 
 
 @dataclass(frozen=True)

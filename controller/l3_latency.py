@@ -56,14 +56,16 @@ class L3OpRecorder:
         which propagates unchanged."""
         return _Timed(self, op)
 
-    def snapshot(self, bytes_read: int = 0, bytes_written: int = 0) -> L3Stats:
+    def snapshot(self, bytes_read: int = 0, bytes_written: int = 0, corrupt: int = 0,
+                 corrupt_removed: int = 0) -> L3Stats:
         with self._mu:
             ops = tuple(
                 L3OpLatency(op, outcome, tuple(s.counts), s.sum_seconds)
                 for (op, outcome), s in self._series.items()
             )
         ops = tuple(sorted(ops, key=lambda s: (s.op.value, s.outcome.value)))
-        return L3Stats(self.backend, self.bounds, ops, bytes_read, bytes_written)
+        return L3Stats(self.backend, self.bounds, ops, bytes_read, bytes_written, corrupt,
+                       corrupt_removed)
 
 
 class _Timed:

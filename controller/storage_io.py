@@ -141,9 +141,11 @@ class L3Store:
         return health
 
     def stats(self) -> L3Stats:
-        """Latency of every call so far, and the bytes the backend read and stored."""
+        """Latency of every call so far, the bytes the backend read and stored, and the
+        corrupt objects it found (and removed)."""
         counted = self.backend.stats()
-        return self.latency.snapshot(counted.bytes_read, counted.bytes_written)
+        return self.latency.snapshot(counted.bytes_read, counted.bytes_written, counted.corrupt,
+                                     counted.corrupt_removed)
 
     def _failed(self, e: Exception) -> None:
         self.errors += 1

@@ -121,7 +121,8 @@ def pool_families(snap: StatsSnapshot) -> Iterator[GaugeMetricFamily]:
 
 def l3_families(snap: StatsSnapshot) -> Iterator[Any]:
     """L3 call latency histograms (cumulative `le` buckets, _sum, _count) per backend, op and
-    outcome, and the object bytes each backend read and stored."""
+    outcome, the object bytes each backend read and stored, and the corrupt objects it
+    found (each a miss) and removed."""
     latency = HistogramMetricFamily(
         "hicache_l3_op_seconds",
         "latency of L3 backend calls by operation and outcome",
@@ -131,7 +132,15 @@ def l3_families(snap: StatsSnapshot) -> Iterator[Any]:
         "hicache_l3_bytes", "object bytes read (op=get) and stored (op=put) in L3",
         labels=("backend", "op"),
     )
+    corrupt = CounterMetricFamily(
+        "hicache_l3_corrupt_objects",
+        "L3 objects that failed verification on read (found; each a miss) and of those the "
+        "ones removed from the store so that a good copy can be written again",
+        labels=("backend", "action"),
+    )
     for l3 in snap.l3:
+        corrupt.add_metric((l3.backend, "found"), float(l3.corrupt))
+        corrupt.add_metric((l3.backend, "removed"), float(l3.corrupt_removed))
         bounds = [floatToGoString(b) for b in l3.bounds] + ["+Inf"]
         for s in l3.ops:
             buckets = list(zip(bounds, s.cumulative_counts, strict=True))
@@ -140,6 +149,7 @@ def l3_families(snap: StatsSnapshot) -> Iterator[Any]:
         moved.add_metric((l3.backend, "put"), float(l3.bytes_written))
     yield latency
     yield moved
+    yield corrupt
 
 
 def counter_families(snap: StatsSnapshot) -> Iterator[Any]:

@@ -155,6 +155,46 @@ def test_sidecar_object_missing_in_l3_is_a_miss_for_the_page(make, hybrid: bool,
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == left
 
 
+def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None:
+    """The read that finds page 2's object corrupt ends the prefetch there and removes the
+    object; the engine recomputes pages 2-3, write-through stores page 2 again, and the
+    whole prefix comes back from L3 next time, bit exact."""
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    key = ctl.l3.keys("", [eng.hashes(tokens)[2]], ctl.cfg.model.family(FULL))[0]
+    with open(ctl.l3.backend.path_of(key), "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0x01]))
+
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.storage_tokens == 16  # presence is not content
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.FAILED  # ended short
+    assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 8
+    ctl.release("e1", m.lock_id, None)
+    (l3,) = ctl.stats().l3
+    assert (l3.corrupt, l3.corrupt_removed) == (1, 1)
+    assert ctl.l3.backend.exists_prefix([key]) == 0
+
+    eng.request(tokens)  # pages 0-1 from L1 (verified), 2-3 computed and inserted
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.storage_tokens == 16
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    ctl.release("e1", m.lock_id, None)
+    checked = eng.checked
+    eng.request(tokens)
+    assert eng.checked > checked and ctl.match("e1", MatchRequest("", tokens)).device_tokens == 16
+
+
 def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through",
                prefetch__policy="timeout", prefetch__timeout_base_s=0.0,

@@ -39,7 +39,7 @@ def test_snapshot_becomes_a_cumulative_histogram_with_sum_and_count() -> None:
         bounds=(0.001, 0.01),
         ops=(L3OpLatency(L3Op.GET, L3Outcome.OK, (2, 0, 1), 3.5),
              L3OpLatency(L3Op.PUT, L3Outcome.UNAVAILABLE, (0, 1, 0), 0.005)),
-        bytes_read=4096, bytes_written=0,
+        bytes_read=4096, bytes_written=0, corrupt=3, corrupt_removed=2,
     ),))
     text = exposition(snap)
     get = 'backend="mooncake",op="get",outcome="ok"'
@@ -53,6 +53,8 @@ def test_snapshot_becomes_a_cumulative_histogram_with_sum_and_count() -> None:
     assert lines[f"hicache_l3_op_seconds_count{{{put}}}"] == "1.0"
     assert lines['hicache_l3_bytes_total{backend="mooncake",op="get"}'] == "4096.0"
     assert lines['hicache_l3_bytes_total{backend="mooncake",op="put"}'] == "0.0"
+    assert lines['hicache_l3_corrupt_objects_total{action="found",backend="mooncake"}'] == "3.0"
+    assert lines['hicache_l3_corrupt_objects_total{action="removed",backend="mooncake"}'] == "2.0"
     assert "# TYPE hicache_l3_op_seconds histogram" in text
 
 

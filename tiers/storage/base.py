@@ -12,6 +12,14 @@ Failure model:
 - Per-key outcomes are enums (`GetStatus`, `PutStatus`), never bare bools.
 - A corrupt or wrong-sized object is `GetStatus.CORRUPT`: counted, and the WHOLE buffer
   (header and payload) is zeroed, so no byte of it can be served by mistake.
+- A corrupt object of the right size is also removed from the store (`corrupt_removed`):
+  left there, every lookup would count it present, every read would stop at it and no
+  write would replace it (puts skip keys already present), so that prefix would never be
+  served from L3 again. Objects of another size (another model geometry under the same
+  key, a misconfiguration) and objects in another header format version of ours (another
+  daemon version) are left alone: this daemon cannot tell they are broken, and removing
+  them would have two daemons undo each other's writes. A reader racing a writer that
+  replaces the object may remove the fresh copy: then the key is a miss, never wrong bytes.
 - NOTE: after a *timed-out* `get_into` the store may still write into the buffers later (the
   transfer runs on in the client library). Callers must treat those buffers as owned by the
   backend until `stats().stuck_calls` drops back to zero, or simply not reuse them before
@@ -26,6 +34,7 @@ import abc
 import concurrent.futures as cf
 import dataclasses
 import enum
+import logging
 import os
 import socket
 import threading
@@ -41,10 +50,13 @@ from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
 from hicache.tiers.storage.integrity import (
     HEADER_BYTES,
     check_object,
+    other_format,
     verified_objects,
     write_header,
     write_headers,
 )
+
+log = logging.getLogger("hicache.l3")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -101,6 +113,7 @@ class BackendStats:
     present: int = 0
     put_failed: int = 0
     deleted: int = 0
+    corrupt_removed: int = 0  # corrupt objects removed from the store after a read
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0  # calls that raised BackendUnavailable
@@ -118,6 +131,7 @@ class _Counters:
     present: int = 0
     put_failed: int = 0
     deleted: int = 0
+    corrupt_removed: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0
@@ -188,6 +202,7 @@ class StorageBackend(abc.ABC):
         sizes = self._fetch_objects(keys, buffers)
         out: list[GetStatus] = []
         hits = corrupt = nbytes = 0
+        broken: list[str] = []  # corrupt objects of ours: removed below
         for key, buf, size in zip(keys, buffers, sizes, strict=True):
             if size == MISSING:
                 out.append(GetStatus.MISS)
@@ -195,7 +210,12 @@ class StorageBackend(abc.ABC):
             if size != VERIFIED:
                 try:
                     check_object(buf, key, size)
-                except ObjectCorrupt:
+                except ObjectCorrupt as e:
+                    if size == buf.nbytes and not other_format(buf):
+                        broken.append(key)
+                        log.warning("%s: %s; a miss, removing it from the store", self.name, e)
+                    else:  # not ours to judge (and possibly many): counted, not logged loudly
+                        log.debug("%s: %s; a miss", self.name, e)
                     buf[:] = 0
                     corrupt += 1
                     out.append(GetStatus.CORRUPT)
@@ -203,14 +223,25 @@ class StorageBackend(abc.ABC):
             hits += 1
             nbytes += buf.nbytes
             out.append(GetStatus.HIT)
+        removed = self._remove_broken(broken) if broken else 0
         with self._counter_lock:
             c = self._counters
             c.gets += len(keys)
             c.hits += hits
             c.corrupt += corrupt
+            c.corrupt_removed += removed
             c.misses += len(keys) - hits - corrupt
             c.bytes_read += nbytes
         return out
+
+    def _remove_broken(self, keys: list[str]) -> int:
+        """Best effort: the read's statuses stand whether or not this works (a key left
+        behind is found corrupt, and removed, at its next read)."""
+        try:
+            return self._guarded(self._remove, list(dict.fromkeys(keys)))
+        except BackendUnavailable as e:
+            log.warning("%s: could not remove %d corrupt object(s): %s", self.name, len(keys), e)
+            return 0
 
     def put_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         """Store each buffer under its key; one status per key.

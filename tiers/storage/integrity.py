@@ -138,6 +138,16 @@ def check_object(obj: np.ndarray, key: str, stored_bytes: int) -> None:
     _diagnose(view, key, stored_bytes)
 
 
+def other_format(obj: np.ndarray) -> bool:
+    """Whether `obj` starts with a header of ours in another format version (written by
+    another daemon version: not this daemon's to judge). Mutates nothing."""
+    view = obj.data
+    if len(view) < _FIELDS:
+        return False
+    magic, version = _HEADER.unpack_from(view)[:2]
+    return bool(magic == MAGIC and version != FORMAT_VERSION)
+
+
 def _diagnose(view: memoryview, key: str, stored_bytes: int) -> None:
     """Raise `ObjectCorrupt` for the first field of `view` that does not match."""
     if stored_bytes != len(view):

@@ -24,6 +24,7 @@ from hicache.tiers.storage import (
 from hicache.types import StorageBackendName
 
 Corrupt = Callable[[StorageBackend, str], None]
+Replace = Callable[[StorageBackend, str, bytes], None]
 
 
 def _flip_file_byte(backend: StorageBackend, key: str) -> None:
@@ -35,6 +36,11 @@ def _flip_file_byte(backend: StorageBackend, key: str) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
+def _replace_file(backend: StorageBackend, key: str, value: bytes) -> None:
+    with open(backend.path_of(key), "wb") as f:  # type: ignore[attr-defined]
+        f.write(value)
+
+
 def _overwrite_redis(backend: StorageBackend, key: str) -> None:
     raw = backend.client  # type: ignore[attr-defined]
     value = bytearray(raw.get(key))
@@ -42,10 +48,15 @@ def _overwrite_redis(backend: StorageBackend, key: str) -> None:
     raw.set(key, bytes(value))
 
 
+def _replace_redis(backend: StorageBackend, key: str, value: bytes) -> None:
+    backend.client.set(key, value)  # type: ignore[attr-defined]
+
+
 @dataclass
 class Store:
     backend: StorageBackend
-    corrupt: Corrupt
+    corrupt: Corrupt  # flip one payload byte of a stored object
+    replace: Replace  # store raw bytes under a key, bypassing the backend's header
     base: BackendStats  # counters when the test began (the Mooncake client is shared)
 
     def counted(self, name: str) -> int:
@@ -73,15 +84,19 @@ def mooncake_pair(
 def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
     kind = request.param
     corrupt: Corrupt
+    replace: Replace
     if kind == "file":
         cfg = storage_config(StorageBackendName.FILE, file=FileStorageConfig(path=str(tmp_path)))
-        backend, corrupt = build_backend(cfg), _flip_file_byte
+        backend, corrupt, replace = build_backend(cfg), _flip_file_byte, _replace_file
     elif kind == "redis":
         server = request.getfixturevalue("redis_server")
         cfg = storage_config(StorageBackendName.REDIS, redis_url=server.url)
-        backend, corrupt = build_backend(cfg), _overwrite_redis
+        backend, corrupt, replace = build_backend(cfg), _overwrite_redis, _replace_redis
     else:
         backend, raw = request.getfixturevalue("mooncake_pair")
+
+        def replace(backend: StorageBackend, key: str, value: bytes) -> None:
+            assert raw.store.upsert(key, value) == 0  # type: ignore[attr-defined]
 
         def corrupt(backend: StorageBackend, key: str) -> None:
             # The second raw client puts junk (same size, one payload byte flipped) over it.
@@ -90,10 +105,10 @@ def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterato
             raw.unregister_host_buffer(pool.memory.ctypes.data)
             value = bytearray(pool.pages[0].tobytes())
             value[HEADER_BYTES + 100] ^= 0xFF
-            assert raw.store.upsert(key, bytes(value)) == 0  # type: ignore[attr-defined]
+            replace(backend, key, bytes(value))
 
     before = set(backend.regions) if kind == "mooncake" else set()  # type: ignore[attr-defined]
-    yield Store(backend, corrupt, backend.stats())
+    yield Store(backend, corrupt, replace, backend.stats())
     if kind == "mooncake":
         # Pools die with the test; their memory must leave the shared client first.
         for start, _ in set(backend.regions) - before:  # type: ignore[attr-defined]
@@ -168,6 +183,45 @@ def test_object_corrupted_in_the_store_is_a_counted_miss_and_zeroed(
     assert not dst.pages[1].any()  # no byte of the corrupt object survives
     np.testing.assert_array_equal(dst.pages[0], src.pages[0])
     assert store.counted("corrupt") == 1
+
+
+def test_a_corrupt_object_is_removed_so_that_a_good_copy_can_be_stored_again(
+    store: Store,
+) -> None:
+    """Left in place, a corrupt object would count as present at every lookup and make
+    every put skip its key: that prefix could never be served from L3 again."""
+    backend, corrupt = store.backend, store.corrupt
+    src, dst = Pool(3, seed=8).register(backend), Pool(3, seed=None).register(backend)
+    ks = keys(3)
+    backend.put_from(ks, src.slots())
+    corrupt(backend, ks[1])
+    assert backend.exists_prefix(ks) == 3  # presence is not content
+
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT, GetStatus.HIT]
+    assert store.counted("corrupt_removed") == 1
+    assert backend.exists_prefix(ks) == 1  # gone: the run stops there now
+    assert backend.put_from(ks, src.slots()) == [PutStatus.PRESENT, PutStatus.STORED, PutStatus.PRESENT]
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * 3
+    np.testing.assert_array_equal(dst.pages, src.pages)
+
+
+def test_objects_not_ours_to_judge_are_left_in_the_store(store: Store) -> None:
+    """Another size (another model geometry under the same key) or another header format
+    version (another daemon version): a miss for this reader, never removed by it."""
+    backend = store.backend
+    src = Pool(2, seed=9).register(backend)
+    ks = keys(2)
+    backend.put_from(ks, src.slots())
+    newer = src.pages[1].copy()
+    newer[4] += 1  # the header's format version field (little endian u16 at offset 4)
+    store.replace(backend, ks[1], bytes(newer))
+
+    small = Pool(1, payload=1024, seed=None).register(backend)
+    assert backend.get_into(ks[:1], small.slots()) == [GetStatus.CORRUPT]
+    dst = Pool(2, seed=None).register(backend)
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT]
+    assert store.counted("corrupt") == 2 and store.counted("corrupt_removed") == 0
+    assert backend.exists_prefix(ks) == 2
 
 
 def test_wrong_sized_buffer_is_corrupt_not_a_partial_copy(store: Store) -> None:
