@@ -512,7 +512,10 @@ class Transfers:
             span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
             for kind, _dev, host_ids in moves:
                 self._drop_in_flight(kind, host_ids)
-                parts = [(node, 0, 1)] if kind is MAMBA else span
+                if kind is MAMBA:
+                    parts = [(node, 0, 1)]
+                else:  # an SWA slot may be its node's tail: the last pages of the span
+                    parts = span if len(host_ids) == len(moves[0][1]) else self._span(node, len(host_ids))
                 for part, lo, hi in parts:
                     full_there = kind is FULL or self.tree.is_resident(part, FULL, Tier.HOST)
                     if (copied and full_there and self.tree.is_live(part)
@@ -604,7 +607,8 @@ class Transfers:
         page_hashes = split_hashes(hashes)
         for kind, ids in pages.items():
             members = self.cfg.model.family(kind)
-            targets = page_hashes[-1:] if kind is MAMBA else page_hashes
+            # A MAMBA checkpoint is at the node's end; an SWA slot may be its node's tail.
+            targets = page_hashes[len(page_hashes) - len(ids) :]
             stored = l3.write(namespace, targets, members, ids)
             if stored < len(targets):
                 raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
@@ -763,9 +767,11 @@ class Transfers:
             parts = []
             for node in path:
                 ids = self.tree.pages_of(node, kind, Tier.DEVICE)
-                if ids is None:
-                    full = self.tree.pages_of(node, FULL, Tier.DEVICE)
-                    ids = np.full(0 if full is None else len(full), -1, dtype=np.int64)
+                full = self.tree.pages_of(node, FULL, Tier.DEVICE)
+                n = 0 if full is None else len(full)
+                if ids is None or len(ids) < n:  # a tombstone, or a tail: -1 before it
+                    held = ids if ids is not None else np.empty(0, dtype=np.int64)
+                    ids = np.concatenate([np.full(n - len(held), -1, dtype=np.int64), held])
                 parts.append(ids)
             out[kind] = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         return out

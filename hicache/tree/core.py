@@ -18,7 +18,7 @@ from hicache.errors import InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
 from hicache.tree.components import FULL_INDEX, Component, build_components
 from hicache.tree.eviction import EvictionQueue
-from hicache.tree.node import LOW_TIERS, PAGED_TIERS, Node
+from hicache.tree.node import LOW_TIERS, PAGED_TIERS, PARTIAL, Node
 from hicache.tree.results import EvictResult, InsertResult, MatchResult, TreeLock, Victim
 from hicache.tree.sessions import SessionTable
 from hicache.types import ComponentKind, EvictionPolicy, Tier
@@ -104,6 +104,9 @@ class HiRadixTree:
         # one node, so they are asked first.
         self._voters = sorted(self._others, key=lambda c: c.window_pages)
         self._child_sensitive = [c.index for c in self._others if c.child_sensitive]
+        # Components whose L1/L2 slot may hold only its node's tail (SWA).
+        self._tails = frozenset(c.index for c in self.components if c.partial_tail)
+        assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
         self._tick = 0
@@ -261,14 +264,17 @@ class HiRadixTree:
                 out[comp.kind] = value if value is not None else _EMPTY
                 continue
             parts = [node.res[slot] for node in top]
-            if not any(p is None for p in parts):
+            if not any(p is None for p in parts) and not (
+                comp.partial_tail and any(nd.mask[comp.index] & PARTIAL for nd in top)
+            ):
                 out[comp.kind] = _cat(parts)  # type: ignore[arg-type]
                 continue
-            # Tombstones (SWA outside the window) read as -1: fill in what is held.
+            # Tombstones (SWA outside the window) read as -1: fill in what is held (a
+            # partial slot is its node's tail).
             ids = np.full(top[-1].depth, -1, dtype=np.int64)
             for node, held in zip(top, parts, strict=True):
                 if held is not None:
-                    ids[node.depth - node.npages : node.depth] = held
+                    ids[node.depth - len(held) : node.depth] = held
             out[comp.kind] = ids
         return out
 
@@ -412,6 +418,13 @@ class HiRadixTree:
                 mask = node.mask
                 for ci in indices:
                     m = mask[ci]
+                    if m & PARTIAL:  # the paged slot is the node's tail: its length counts
+                        res = node.res
+                        if m & 1:
+                            locked[0][ci] += len(res[ci * PAGED_TIERS]) * delta  # type: ignore[arg-type]
+                        if m & 2:
+                            locked[1][ci] += len(res[ci * PAGED_TIERS + 1]) * delta  # type: ignore[arg-type]
+                        continue  # (never recorded in L3)
                     if m & 1:
                         locked[0][ci] += n
                     if m & 2:
@@ -535,11 +548,12 @@ class HiRadixTree:
         return start  # type: ignore[return-value]
 
     def _check_pages(self, pages: Mapping[ComponentKind, np.ndarray],
-                     n: int) -> tuple[dict[int, np.ndarray], set[int]]:
+                     n: int) -> tuple[dict[int, np.ndarray], dict[int, bytes]]:
         """The given page ids per component index, in component order (FULL first), and
-        the indices whose ids have gaps (-1: pages already freed, e.g. SWA out of window)."""
+        for each index whose ids have gaps (-1: pages already freed, e.g. SWA out of
+        window) the absent mask, one byte per page (1: absent), searched as bytes."""
         out: dict[int, np.ndarray] = {}
-        gapped: set[int] = set()
+        gapped: dict[int, bytes] = {}
         known = 0
         for comp in self._page_comps:
             given = pages.get(comp.kind)
@@ -560,7 +574,7 @@ class HiRadixTree:
             if n and _min_id(arr) < 0:
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
-                gapped.add(comp.index)
+                gapped[comp.index] = (arr < 0).tobytes()
             out[comp.index] = arr
         if len(pages) != known:
             self._refuse_unknown(pages)
@@ -574,7 +588,7 @@ class HiRadixTree:
             if not comp.per_page:
                 raise InvalidArgument(f"pages[{kind.value}]: pass the checkpoint as mamba_slot instead")
 
-    def _reconcile(self, node: Node, provided: dict[int, np.ndarray], gapped: set[int], off: int,
+    def _reconcile(self, node: Node, provided: dict[int, np.ndarray], gapped: dict[int, bytes], off: int,
                    released: list[list[np.ndarray]], tier: int) -> None:
         """Pages given for a span the tree already holds: keep the tree's own, adopt the
         given ones into an empty slot of `tier`, hand the rest back."""
@@ -584,29 +598,57 @@ class HiRadixTree:
             ids = arr[off : off + n]
             held = res[ci * PAGED_TIERS + tier]
             if held is not None:
-                if ci not in gapped and not _any_equal(ids, held):
+                m = len(held)
+                mine = ids if m == n else ids[n - m :]  # a partial slot is the node's tail
+                if ci not in gapped and not _any_equal(mine, held):
                     released[ci].append(ids)  # the usual case: freshly computed pages
                     continue
-                keep = ids != held
+                keep = mine != held
                 if ci in gapped:
-                    keep &= ids >= 0
+                    keep &= mine >= 0
                 if keep.any():
-                    released[ci].append(ids[keep])
-            elif (ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None) and (
-                ci not in gapped or _min_id(ids) >= 0
-            ):
-                self._set(node, self.components[ci], tier, ids)
-            else:
-                present = ids[ids >= 0]
-                if len(present):
-                    released[ci].append(present)
+                    released[ci].append(mine[keep])
+                if m < n:
+                    self._release_present(ids[: n - m], released[ci])
+                continue
+            take = 0
+            if ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None:
+                absent = gapped.get(ci)
+                take = self._adoptable(node, ci, tier, absent[off : off + n] if absent else None)
+            if take:
+                self._set(node, self.components[ci], tier, ids if take == n else ids[n - take :])
+            self._release_present(ids[: n - take], released[ci])
+
+    @staticmethod
+    def _release_present(ids: np.ndarray, out: list[np.ndarray]) -> None:
+        present = ids[ids >= 0]
+        if len(present):
+            out.append(present)
+
+    def _adoptable(self, node: Node, ci: int, tier: int, absent: bytes | None) -> int:
+        """How many trailing pages of the ids given for `node` (whose `ci` slot `tier`
+        lacks; `absent`: their absent mask, None when all are present) the slot may take:
+        all of them, or for a `partial_tail` component the present tail, cut to the
+        length the slot has in the other tiers (one length per node; an L3 copy is
+        whole), or 0."""
+        n = node.npages
+        present = n if absent is None else n - 1 - absent.rfind(b"\x01")
+        if ci not in self._tails:
+            return n if present == n else 0
+        mask = node.mask[ci]
+        if mask & (1 << Tier.STORAGE):
+            return n if present == n else 0
+        other = node.res[ci * PAGED_TIERS + (1 - tier)] if mask & _PAGED_MASK else None
+        if other is not None:
+            return len(other) if present >= len(other) else 0
+        return present
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
-                    provided: dict[int, np.ndarray], gapped: set[int], begin: int, tick: int,
+                    provided: dict[int, np.ndarray], gapped: dict[int, bytes], begin: int, tick: int,
                     tier: int) -> Node:
         breaks: list[int] = []
-        for ci in gapped:
-            breaks.extend(self.components[ci].split_breaks(provided[ci][pos - begin : total - begin]))
+        for ci, absent in gapped.items():
+            breaks.extend(self.components[ci].split_breaks(absent[pos - begin : total - begin]))
         cuts = [pos, *sorted({b + pos for b in breaks}), total] if breaks else [pos, total]
         pb = self._pb
         node = parent
@@ -614,7 +656,14 @@ class HiRadixTree:
             child = Node(tokens[lo * pb : hi * pb], hi - lo, node, self._ncomp)
             child.last_access = tick
             node.children[child.key[:pb]] = child
-            self._set_new(child, tier, [(ci, arr[lo - begin : hi - begin]) for ci, arr in provided.items()])
+            slots = [(ci, arr[lo - begin : hi - begin]) for ci, arr in provided.items()]
+            if gapped:  # a piece is absent pages, then present ones: keep the present tail
+                for i, (ci, ids) in enumerate(slots):
+                    mask = gapped.get(ci)
+                    if mask is not None:
+                        start = mask.find(b"\x00", lo - begin, hi - begin)
+                        slots[i] = (ci, ids[start - (lo - begin) :] if start >= 0 else ids[:0])
+            self._set_new(child, tier, slots)
             node = child
         return node
 
@@ -627,10 +676,13 @@ class HiRadixTree:
         queues = self._queues[tier]
         mask, res = node.mask, node.res
         for ci, ids in slots:
-            if int(ids[0]) < 0:
-                continue  # tombstone run (SWA pages freed out of window)
+            m = len(ids)
+            if m < n:
+                if not m or ci not in self._tails:
+                    continue  # a tombstone (SWA pages freed out of window)
+                mask[ci] |= PARTIAL
             mask[ci] |= bit
-            resident[ci] += n
+            resident[ci] += m
             res[ci * PAGED_TIERS + tier] = ids
             if ci == FULL_INDEX:
                 assert node.parent is not None
@@ -676,15 +728,27 @@ class HiRadixTree:
         node.npages -= k
         node.parent = head
         head.children[node.key[:pb]] = node
+        rest = node.npages
         for comp in self.components:
             ci = comp.index
             if comp.per_page:
                 head.mask[ci] = node.mask[ci]
                 for tier in range(PAGED_TIERS):
                     arr = node.res[ci * PAGED_TIERS + tier]
-                    if arr is not None:
-                        head.res[ci * PAGED_TIERS + tier] = arr[:k]
-                        node.res[ci * PAGED_TIERS + tier] = arr[k:]
+                    if arr is None:
+                        continue
+                    cut = len(arr) - rest  # the head's share (a partial slot is a tail)
+                    if cut > 0:
+                        head.res[ci * PAGED_TIERS + tier] = arr[:cut]
+                        node.res[ci * PAGED_TIERS + tier] = arr[cut:]
+                    else:  # all of it lies in the tail
+                        head.mask[ci] &= ~(1 << tier)
+                if node.mask[ci] & PARTIAL:  # a tail: the head keeps what reached it, if any
+                    if not head.mask[ci] & _PAGED_MASK:
+                        head.mask[ci] &= ~PARTIAL
+                    held = node.res[ci * PAGED_TIERS] if node.mask[ci] & 1 else node.res[ci * PAGED_TIERS + 1]
+                    if held is not None and len(held) == rest:
+                        node.mask[ci] &= ~PARTIAL  # the tail object's slot is whole now
             if comp.path_scoped:
                 head.lock[ci] = node.lock[ci]
                 head.sref[ci] = node.sref[ci]
@@ -719,12 +783,24 @@ class HiRadixTree:
         load). DEVICE/HOST need the page ids; STORAGE takes none."""
         assert isinstance(node, Node)
         comp = self._by_kind[kind]
-        if node.mask[comp.index] & (1 << tier):
+        ci = comp.index
+        if node.mask[ci] & (1 << tier):
             raise InvalidArgument(f"{kind.value} slot already resident in {tier.name}")
+        if tier is Tier.STORAGE and comp.partial_tail:
+            held = [a for a in node.res[ci * PAGED_TIERS : (ci + 1) * PAGED_TIERS] if a is not None]
+            if any(len(a) < node.npages for a in held):
+                return  # a partial slot's L3 copy is not recorded (only whole ones are)
         if tier is not Tier.STORAGE:
-            if pages is None or len(pages) != comp.slot_pages(node):
+            want = comp.slot_pages(node)
+            if comp.partial_tail and pages is not None:
+                other = node.res[ci * PAGED_TIERS + (1 - tier)]
+                if other is not None:
+                    want = len(other)  # one length per node, whichever tier holds it
+                elif not node.mask[ci] and 0 < len(pages) <= want:
+                    want = len(pages)  # a tail: the window before the node's end
+            if pages is None or len(pages) != want:
                 raise InvalidArgument(
-                    f"{kind.value} slot of {comp.slot_pages(node)} pages given "
+                    f"{kind.value} slot of {want} pages given "
                     f"{0 if pages is None else len(pages)} page ids"
                 )
             if comp.index != FULL_INDEX and not node.mask[FULL_INDEX] & (1 << tier):
@@ -735,8 +811,11 @@ class HiRadixTree:
     def _set(self, node: Node, comp: Component, tier: int, pages: np.ndarray | None) -> None:
         ci = comp.index
         mask = node.mask[ci] | (1 << tier)
+        n = comp.slot_pages(node)
+        if pages is not None and len(pages) != n:
+            n = len(pages)  # (a `partial_tail` slot: checked by the callers)
+            mask |= PARTIAL
         node.mask[ci] = mask
-        n = node.npages if comp.per_page else 1
         self._resident[tier][ci] += n
         if node.lock[self._lock_idx[ci]]:
             self._locked[tier][ci] += n
@@ -754,6 +833,15 @@ class HiRadixTree:
                     if other & (1 << t):
                         queues[t][ci].offer(node)
 
+    @staticmethod
+    def _slot_len(node: Node, comp: Component, tier: int) -> int:
+        """Pages `node`'s slot of `comp` occupies in `tier` (a partial slot: its length)."""
+        if tier < PAGED_TIERS and node.mask[comp.index] & PARTIAL:
+            held = node.res[comp.index * PAGED_TIERS + tier]
+            if held is not None:
+                return len(held)
+        return comp.slot_pages(node)
+
     def _drop(self, node: Node, comp: Component, tier: int,
               freed: dict[ComponentKind, list[np.ndarray]]) -> None:
         comps = [comp] if comp.index != FULL_INDEX else [*self._others, comp]
@@ -761,8 +849,10 @@ class HiRadixTree:
             ci = c.index
             if not node.mask[ci] & (1 << tier):
                 continue
+            n = self._slot_len(node, c, tier)
             node.mask[ci] &= ~(1 << tier)
-            n = c.slot_pages(node)
+            if not node.mask[ci] & _PAGED_MASK:
+                node.mask[ci] &= ~PARTIAL
             self._resident[tier][ci] -= n
             if node.lock[self._lock_idx[ci]]:
                 self._locked[tier][ci] -= n
@@ -850,7 +940,7 @@ class HiRadixTree:
                 break
             target = node
             keep = comp.retained_pages(node, tier)
-            if keep >= node.npages:
+            if keep >= self._slot_len(node, comp, tier):
                 continue  # re-offered when the window below it moves
             if keep:
                 target = self._split(node, node.npages - keep)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hicache.tree.components import FULL_INDEX
-from hicache.tree.node import PAGED_TIERS, Node
+from hicache.tree.node import PAGED_TIERS, PARTIAL, Node
 from hicache.types import Tier
 
 if TYPE_CHECKING:
@@ -83,13 +83,29 @@ def check_tree(tree: HiRadixTree) -> None:
             for comp in t.components:
                 ci = comp.index
                 mask = node.mask[ci]
-                size = comp.slot_pages(node)
+                whole = comp.slot_pages(node)
+                held = [a for a in node.res[ci * PAGED_TIERS : (ci + 1) * PAGED_TIERS] if a is not None]
+                partial = False
+                if comp.partial_tail and held:
+                    # One length per node, 1..npages; an L3 copy is recorded only whole.
+                    lengths = {len(a) for a in held}
+                    assert len(lengths) == 1, f"{where}: {comp.kind.value} lengths {lengths} differ by tier"
+                    (tail,) = lengths
+                    assert 0 < tail <= whole, f"{where}: {comp.kind.value} tail of {tail} pages"
+                    partial = tail < whole
+                    assert not partial or not mask & (1 << Tier.STORAGE), (
+                        f"{where}: {comp.kind.value} partial slot recorded in L3"
+                    )
+                assert bool(mask & PARTIAL) == partial, f"{where}: {comp.kind.value} PARTIAL bit"
                 for tier in Tier:
                     on = bool(mask & (1 << tier))
+                    size = whole
                     if tier < PAGED_TIERS:
                         arr = node.res[ci * PAGED_TIERS + tier]
                         assert on == (arr is not None), f"{where}: {comp.kind.value} res/mask {tier.name}"
                         if arr is not None:
+                            if comp.partial_tail:
+                                size = len(arr)
                             assert len(arr) == size, f"{where}: {comp.kind.value} {len(arr)} ids != {size}"
                             if ci != FULL_INDEX:
                                 assert full & (1 << tier), f"{where}: {comp.kind.value} in {tier.name} without FULL"
@@ -103,7 +119,7 @@ def check_tree(tree: HiRadixTree) -> None:
                 want_sref = expect_sref.get(id(node), [0] * ncomp)[ci]
                 assert node.sref[ci] == want_sref, f"{where}: {comp.kind.value} sref {node.sref[ci]} != {want_sref}"
                 for tier in range(PAGED_TIERS):
-                    if comp.candidate_test(tier)(node) and comp.retained_pages(node, tier) < node.npages:
+                    if comp.candidate_test(tier)(node) and comp.retained_pages(node, tier) < t._slot_len(node, comp, tier):
                         bit = 1 << (tier * ncomp + ci)
                         assert node.qmask & bit, f"{where}: evictable {comp.kind.value}/{tier} not queued"
     assert resident == t._resident, f"resident counters {t._resident} != {resident}"

@@ -12,6 +12,9 @@ import numpy as np
 # Tiers whose residency carries page ids (DEVICE, HOST); STORAGE is a bit in `mask` only.
 PAGED_TIERS = 2
 LOW_TIERS = (0b001, 0b011, 0b111)  # tier bits of "this tier or any closer one"
+# A `mask` bit beside the tiers': the slot's page ids (DEVICE/HOST) cover only the node's
+# last pages (a `partial_tail` component); set only while some paged tier holds the slot.
+PARTIAL = 0b1000
 
 
 class Node:
@@ -19,7 +22,8 @@ class Node:
 
     Per component index `ci`:
       res[ci * PAGED_TIERS + tier]  page ids (np.ndarray) in DEVICE/HOST, or None
-      mask[ci]                      bit `tier` set when resident in that tier (incl. STORAGE)
+      mask[ci]                      bit `tier` set when resident in that tier (incl. STORAGE);
+                                    PARTIAL when the paged slot is only the node's tail
       lock[ci]                      lock references (a locked slot is never evicted)
       sref[ci]                      session references (reorder eviction, never pin)
     `nres[tier]` counts children whose FULL slot is resident in DEVICE/HOST: a FULL slot is

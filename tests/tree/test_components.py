@@ -10,9 +10,14 @@ from hicache.tree.components.swa import SwaComponent
 
 
 @given(st.lists(st.integers(-1, 5), max_size=200))
-def test_swa_split_breaks_are_where_present_and_absent_ids_alternate(ids: list[int]) -> None:
-    # A node is cut wherever the given SWA ids switch between a page id and -1 (a page
-    # freed outside the window), so every resulting node is all present or all absent.
-    want = [i for i in range(1, len(ids)) if (ids[i] < 0) != (ids[i - 1] < 0)]
+def test_swa_split_breaks_are_where_absent_ids_follow_present_ones(ids: list[int]) -> None:
+    # A node may hold absent pages then present ones (an SWA slot keeps the tail an
+    # engine did not free), so a node is cut only where a -1 follows a page id: every
+    # resulting piece is some -1 then some page ids.
+    want = [i for i in range(1, len(ids)) if ids[i] < 0 <= ids[i - 1]]
     swa = SwaComponent(1, 64, 4096)
-    assert swa.split_breaks(np.array(ids, dtype=np.int64)) == want
+    breaks = swa.split_breaks((np.array(ids, dtype=np.int64) < 0).tobytes())
+    assert breaks == want
+    for lo, hi in zip([0, *breaks], [*breaks, len(ids)], strict=True):
+        piece = [i >= 0 for i in ids[lo:hi]]
+        assert piece == sorted(piece)  # absent first, then present

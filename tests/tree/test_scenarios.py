@@ -295,3 +295,80 @@ def test_swa_data_pushed_out_of_the_window_by_a_deeper_insert_becomes_evictable(
     tree.check_integrity()  # raised "evictable swa/0 not queued"
     assert tree.evict(Tier.DEVICE, SWA, 1).evicted_pages == 1  # page 0 left the window
     tree.check_integrity()
+
+
+def test_a_long_prefill_keeps_its_swa_window_as_the_tail_of_one_node() -> None:
+    """An engine frees SWA pages outside the window during a long prefill: the tree keeps
+    the window as the tail of ONE node (not a tombstone node plus a window node), counts
+    only the pages it holds, reuses the end, and not a boundary inside the freed part."""
+    tree = make_tree(4, swa_window=8, mamba=True)  # window: 2 pages
+    r = tree.insert("", seq(0, 24), {FULL: ids(1, 2, 3, 4, 5, 6), SWA: ids(-1, -1, -1, -1, 15, 16)},
+                    mamba_slot=30)
+    assert len(tree.iter_nodes()) == 1
+    assert tree.resident_pages(Tier.DEVICE, SWA) == 2 and r.released[SWA].size == 0
+    m = tree.match("", seq(0, 24), lock=True)
+    assert m.device_tokens == 24
+    assert list(m.device_pages[SWA]) == [-1, -1, -1, -1, 15, 16]
+    assert tree.locked_pages(Tier.DEVICE, SWA) == 2 and tree.locked_pages(Tier.DEVICE, FULL) == 6
+    tree.check_integrity()
+    tree.unlock(m.lock)
+    assert tree.match("", seq(0, 16)).device_tokens == 0  # (no MAMBA state there either)
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("at", "head_swa", "tail_swa"),
+    [(5, [14, 15], [16]), (4, [14], [15, 16]), (3, [], [14, 15, 16]), (2, [], [14, 15, 16])],
+)
+def test_a_split_gives_each_part_its_share_of_a_tail(at: int, head_swa: list[int],
+                                                    tail_swa: list[int]) -> None:
+    """A match ending inside a node with an SWA tail (pages 3-5 of 6) splits it after page
+    `at`: each part keeps the tail's pages it covers (the head only what reaches up to it:
+    a tail itself, or a tombstone); the pages, counters and the reuse at the end stay."""
+    tree = make_tree(4, swa_window=12)  # window: 3 pages
+    tree.insert("", seq(0, 24), {FULL: ids(1, 2, 3, 4, 5, 6), SWA: ids(-1, -1, -1, 14, 15, 16)})
+    tree.match("", seq(0, 4 * at))  # splits the node after page `at`
+    head, tail = sorted(tree.iter_nodes(), key=tree.depth_tokens)
+    held = tree.pages_of(head, SWA, Tier.DEVICE)
+    assert (list(held) if held is not None else []) == head_swa
+    assert list(tree.pages_of(tail, SWA, Tier.DEVICE)) == tail_swa
+    assert tree.resident_pages(Tier.DEVICE, SWA) == 3
+    m = tree.match("", seq(0, 24))
+    assert m.device_tokens == 24 and list(m.device_pages[SWA]) == [-1, -1, -1, 14, 15, 16]
+    tree.check_integrity()
+
+
+def test_a_tail_slot_has_one_length_in_every_tier() -> None:
+    """L2 takes a tail only of the length L1 holds (and the reverse); an L3 copy of a
+    tail is not recorded (only whole slots are), so a later match never counts on it."""
+    tree = make_tree(4, swa_window=8)
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(-1, -1, 13, 14)})
+    (node,) = tree.iter_nodes()
+    tree.set_resident(node, FULL, Tier.HOST, ids(51, 52, 53, 54))
+    with pytest.raises(InvalidArgument, match="2 pages given 4"):
+        tree.set_resident(node, SWA, Tier.HOST, ids(61, 62, 63, 64))
+    tree.set_resident(node, SWA, Tier.HOST, ids(63, 64))
+    tree.set_resident(node, FULL, Tier.STORAGE)
+    tree.set_resident(node, SWA, Tier.STORAGE)  # a tail: not recorded
+    assert not tree.is_resident(node, SWA, Tier.STORAGE)
+    tree.check_integrity()
+    r = tree.evict(Tier.DEVICE, FULL, 4)
+    assert list(r.freed[SWA]) == [13, 14]
+    m = tree.match("", seq(0, 16))
+    assert (m.device_tokens, m.host_tokens) == (0, 16)
+    tree.check_integrity()
+
+
+def test_an_insert_over_a_tombstoned_node_adopts_only_a_consistent_tail() -> None:
+    """A node whose SWA slot is gone from L1 but held in L2 as a 2-page tail: a later
+    insert's SWA pages are adopted only as that 2-page tail; the rest go back."""
+    tree = make_tree(4, swa_window=8)
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(-1, -1, 13, 14)})
+    (node,) = tree.iter_nodes()
+    tree.set_resident(node, FULL, Tier.HOST, ids(51, 52, 53, 54))
+    tree.set_resident(node, SWA, Tier.HOST, ids(63, 64))
+    tree.evict(Tier.DEVICE, FULL, 4)  # L1 copy gone (L2 keeps the family)
+    r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(21, 22, 23, 24)})
+    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [23, 24]
+    assert sorted(r.released[SWA].tolist()) == [21, 22]
+    tree.check_integrity()

@@ -14,8 +14,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from hicache.tree.node import Node
 from hicache.types import ComponentKind
 
@@ -34,6 +32,11 @@ class Component(ABC):
     #: alone only where a child continues the path): a child's arrival re-offers the
     #: parent, and a new node (no children yet) is not offered.
     child_sensitive: bool = False
+    #: True when a slot in L1/L2 may hold only the last pages of its node (SWA: what an
+    #: engine kept of a long prefill is the window before its end). Such a slot has the
+    #: same length in every paged tier that holds it; an L3 copy is recorded (the STORAGE
+    #: bit) only for a whole slot.
+    partial_tail: bool = False
 
     def __init__(self, index: int, page_size: int) -> None:
         self.index = index
@@ -57,11 +60,12 @@ class Component(ABC):
         ci = self.index
         return [n for n in path[lo:hi] if n.mask[ci] & bit_src and not n.mask[ci] & bit_dst]
 
-    def split_breaks(self, provided: np.ndarray) -> list[int]:
+    def split_breaks(self, absent: bytes) -> list[int]:
         """Page offsets inside a new suffix at which insert must start a new node so that
-        each node's slot is all present or all absent (e.g. SWA pages freed out of window).
-        Called only when some given id is -1 (absent)."""
-        return []
+        each node's slot can be stored: present, absent, or (`partial_tail`) absent then
+        present. `absent` has one byte per page of the suffix, 1 where the given id is -1
+        (a page already freed, e.g. SWA out of window); called only when some byte is 1."""
+        return [i for i in range(1, len(absent)) if absent[i] != absent[i - 1]]
 
     # Eviction ----------------------------------------------------------------------
 

@@ -5,49 +5,57 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from hicache.tree.components.base import Component
 from hicache.tree.components.full import FULL_INDEX
-from hicache.tree.node import Node
+from hicache.tree.node import PAGED_TIERS, PARTIAL, Node
 from hicache.types import ComponentKind
 
 
 class SwaComponent(Component):
     kind = ComponentKind.SWA
     child_sensitive = True
+    partial_tail = True
 
     def __init__(self, index: int, page_size: int, window_tokens: int) -> None:
         super().__init__(index, page_size)
         self.window_pages = -(-window_tokens // page_size)
 
     def valid_at(self, path: Sequence[Node], i: int, tiers: int) -> bool:
-        # Walk up from the boundary only as far as the window reaches.
+        # Walk up from the boundary only as far as the window reaches; a slot holding only
+        # its node's tail ends the run of SWA data there.
         ci = self.index
+        slot = ci * PAGED_TIERS
         need = min(self.window_pages, path[i - 1].depth)
         run = 0
         for j in range(i - 1, -1, -1):
             node = path[j]
-            if not node.mask[ci] & tiers:
+            mask = node.mask[ci]
+            if not mask & tiers:
                 return False
-            run += node.npages
+            n = node.npages
+            if mask & PARTIAL:  # the paged slot is the node's tail (never recorded in L3)
+                held = node.res[slot] if mask & 1 else node.res[slot + 1]
+                n = len(held)  # type: ignore[arg-type]
+            run += n
             if run >= need:
                 return True
+            if n < node.npages:
+                return False
         return False
 
-    def split_breaks(self, provided: np.ndarray) -> list[int]:
-        # The runs of present and absent ids, found with bytes.find over the mask: one
-        # numpy call, then C searches (usually one run of -1 then the window).
-        absent = (provided < 0).tobytes()
+    def split_breaks(self, absent: bytes) -> list[int]:
+        # A node may hold absent pages then present ones (a tail), so a new node starts
+        # only where absent pages follow present ones; found with bytes.find over the
+        # mask (usually none: one run of -1, then the window).
         breaks: list[int] = []
-        pos = 0
-        state = absent[:1]
-        while True:
-            pos = absent.find(b"\x00" if state == b"\x01" else b"\x01", pos)
+        pos = absent.find(b"\x00")
+        while pos >= 0:
+            pos = absent.find(b"\x01", pos)
             if pos < 0:
-                return breaks
+                break
             breaks.append(pos)
-            state = absent[pos : pos + 1]
+            pos = absent.find(b"\x00", pos)
+        return breaks
 
     def candidate_test(self, tier: int) -> Callable[[Node], bool]:
         # SWA goes alone only from nodes some child continues (in this tier): a leaf's
