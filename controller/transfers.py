@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.arrays import any_of
 from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, ResourceExhausted
@@ -212,7 +213,7 @@ class Transfers:
         held = self._held_l2.get(kind)
         if held:
             busy = np.fromiter((held[int(i)] > 0 for i in ids), dtype=bool, count=len(ids))
-            if busy.any():
+            if any_of(busy):
                 self._parked_l2.setdefault(kind, []).extend(int(i) for i in ids[busy])
                 ids = ids[~busy]
         if len(ids):

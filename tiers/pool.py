@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from hicache.arrays import all_of, max_of, min_of
 from hicache.errors import InvalidArgument, ResourceExhausted
 from hicache.tiers.base import Allocator, PageIds
 
@@ -72,7 +73,7 @@ class PageAllocator(Allocator):
         if batch.size == 0:
             return
         held = self._allocated[batch]
-        if not held.all():
+        if not all_of(held):
             raise InvalidArgument(
                 f"{self._name}: double free: pages {_show(batch[~held])} are not allocated"
             )
@@ -115,11 +116,11 @@ def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
     n = out.size
     if n == 0:
         return out
-    if n <= _SMALL:
+    if n <= 8:  # (a list's min and max cost less for a few ids)
         listed = out.tolist()
         lo, hi = min(listed), max(listed)
     else:
-        lo, hi = int(out.min()), int(out.max())
+        lo, hi = min_of(out), max_of(out)
     if lo < 0 or hi >= pages:
         bad = out[(out < 0) | (out >= pages)]
         raise InvalidArgument(f"{what} {_show(bad)} out of range [0, {pages})")
@@ -132,7 +133,7 @@ def repeated_ids(ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     if n <= _SMALL:
         if len(set(ids.tolist())) == n:
             return ids[:0]
-    elif bool((np.diff(ids) > 0).all()):  # ascending (allocator order): distinct, no sort
+    elif all_of(np.diff(ids) > 0):  # ascending (allocator order): distinct, no sort
         return ids[:0]
     uniq, counts = np.unique(ids, return_counts=True)
     return uniq[counts > 1]

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from hicache.arrays import all_of
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import MemberPools, PageIds
 from hicache.tiers.pool import checked_ids, repeated_ids
@@ -73,7 +74,7 @@ def plan_rows(src_ids: npt.NDArray[np.int64], dst_ids: npt.NDArray[np.int64]) ->
 def _is_run(ids: npt.NDArray[np.int64]) -> bool:
     """Whether `ids` (non-empty) is ``a, a+1, ..., a+n-1``."""
     n = int(ids.size)
-    return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or bool((np.diff(ids) == 1).all()))
+    return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or all_of(np.diff(ids) == 1))
 
 
 def widen(rows: torch.Tensor) -> torch.Tensor:

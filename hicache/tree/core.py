@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from hicache.arrays import any_of, min_of
 from hicache.errors import InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
 from hicache.tree.components import FULL_INDEX, Component, build_components
@@ -33,20 +34,16 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-# Below this many page ids a numpy reduction costs more in call overhead than converting
-# the ids to a list and reducing in Python (a page-64 node holds about 16 ids).
+# Below this many page ids comparing as lists costs less than a numpy comparison (a
+# page-64 node holds about 16 ids).
 _SMALL = 32
-
-
-def _min_id(ids: np.ndarray) -> int:
-    return min(ids.tolist()) if len(ids) <= _SMALL else int(ids.min())
 
 
 def _any_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Does some position hold the same id in both (same-length) arrays?"""
     if len(a) <= _SMALL:
         return any(map(operator.eq, a.tolist(), b.tolist()))
-    return bool((a == b).any())
+    return any_of(a == b)
 BeforeDrop = Callable[[Victim], None]
 
 
@@ -106,6 +103,7 @@ class HiRadixTree:
         self._child_sensitive = [c.index for c in self._others if c.child_sensitive]
         # Components whose L1/L2 slot may hold only its node's tail (SWA).
         self._tails = frozenset(c.index for c in self.components if c.partial_tail)
+        self._points = frozenset(c.index for c in self.components if not c.per_page)
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
@@ -498,9 +496,10 @@ class HiRadixTree:
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
-        if pos < total:
-            node = self._add_suffix(node, tokens, pos, total, provided, gapped, begin, tick, tier)
-        if mamba_slot is not None:
+        if pos < total:  # (the checkpoint goes on the new end with its family)
+            node = self._add_suffix(node, tokens, pos, total, provided, gapped, begin, tick, tier,
+                                    mamba_slot)
+        elif mamba_slot is not None:
             self._place_checkpoint(node, mamba_slot, released, tier)
         if lock is not None:
             if keep_lock:
@@ -571,7 +570,7 @@ class HiRadixTree:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
                 )
-            if n and _min_id(arr) < 0:
+            if n and min_of(arr) < 0:
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
                 gapped[comp.index] = (arr < 0).tobytes()
@@ -606,7 +605,7 @@ class HiRadixTree:
                 keep = mine != held
                 if ci in gapped:
                     keep &= mine >= 0
-                if keep.any():
+                if any_of(keep):
                     released[ci].append(mine[keep])
                 if m < n:
                     self._release_present(ids[: n - m], released[ci])
@@ -645,7 +644,7 @@ class HiRadixTree:
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
                     provided: dict[int, np.ndarray], gapped: dict[int, bytes], begin: int, tick: int,
-                    tier: int) -> Node:
+                    tier: int, checkpoint: int | None = None) -> Node:
         breaks: list[int] = []
         for ci, absent in gapped.items():
             breaks.extend(self.components[ci].split_breaks(absent[pos - begin : total - begin]))
@@ -663,13 +662,17 @@ class HiRadixTree:
                     if mask is not None:
                         start = mask.find(b"\x00", lo - begin, hi - begin)
                         slots[i] = (ci, ids[start - (lo - begin) :] if start >= 0 else ids[:0])
+            if checkpoint is not None and hi == total:
+                point = np.array([checkpoint], dtype=np.int64)
+                slots.extend((c.index, point) for c in self._point_comps)
             self._set_new(child, tier, slots)
             node = child
         return node
 
     def _set_new(self, node: Node, tier: int, slots: list[tuple[int, np.ndarray]]) -> None:
         """`_set` of a whole family on a node just created under its parent (FULL first,
-        nothing locked, no other tier): the same bookkeeping, done once per node."""
+        nothing locked, no other tier; point slots such as a MAMBA checkpoint at its end
+        included): the same bookkeeping, done once per node."""
         bit = 1 << tier
         n = node.npages
         resident = self._resident[tier]
@@ -677,7 +680,7 @@ class HiRadixTree:
         mask, res = node.mask, node.res
         for ci, ids in slots:
             m = len(ids)
-            if m < n:
+            if m < n and ci not in self._points:
                 if not m or ci not in self._tails:
                     continue  # a tombstone (SWA pages freed out of window)
                 mask[ci] |= PARTIAL

@@ -1,0 +1,25 @@
+"""The wrapper-free reductions agree with numpy's own on every input."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.arrays import all_of, any_of, max_of, min_of
+
+ids = st.lists(st.integers(-(2**40), 2**40), max_size=300).map(lambda xs: np.array(xs, dtype=np.int64))
+masks = st.lists(st.booleans(), max_size=300).map(lambda xs: np.array(xs, dtype=np.bool_))
+
+
+@given(ids)
+def test_min_and_max_match_numpy(a: np.ndarray) -> None:
+    if a.size:
+        assert min_of(a) == int(a.min()) and max_of(a) == int(a.max())
+        assert isinstance(min_of(a), int)
+
+
+@given(masks)
+def test_any_and_all_match_numpy(m: np.ndarray) -> None:
+    assert any_of(m) is bool(m.any())
+    assert all_of(m) is bool(m.all())
