@@ -374,6 +374,10 @@ class HybridCacheController(CacheService):
             )
             for kind, ids in result.released.items():
                 self.transfers.free_l1(kind, ids)
+            if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
+                for kind, ids in result.dropped.items():
+                    self.transfers.free_l2(kind, ids)
+                self.transfers.refill_host(result.end)
             if lock_rec is not None and not req.keep_lock:
                 self._engines.pop_lock(engine_id, req.lock_id or 0)
                 self._request_moves_on(req.lock_id)

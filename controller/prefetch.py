@@ -274,6 +274,8 @@ class Prefetcher:
                                           mamba_slot=slot, tier=Tier.HOST)
             for kind, ids in result.released.items():
                 self.ctl.transfers.free_l2(kind, ids)
+            for kind, ids in result.dropped.items():  # a shorter L1 copy of a grown SWA tail
+                self.ctl.transfers.free_l1(kind, ids)
             # Owned by the tree (or freed) now: marked at once, so that nothing raising
             # below makes `_finish_locked` free pages the tree holds.
             for kind in op.host:

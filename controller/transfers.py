@@ -375,6 +375,16 @@ class Transfers:
         if self.ctl.l3 is not None:
             self._maybe_l3(self.tree.path_to(end))
 
+    def refill_host(self, end: object | None) -> None:
+        """An insert let L2 copies on the path to `end` go (a longer SWA tail replaced
+        them in L1): under a write-through policy the new slots go down again (write-back
+        copies them when they leave L1)."""
+        if end is None or self.cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK:
+            return
+        for node in self.tree.path_to(end):
+            if self.tree.is_resident(node, FULL, Tier.HOST) and self._missing_in_host(node):
+                self.backup_to_host_async(node)
+
     def backup_to_host_async(self, node: object) -> None:
         """Like `backup_to_host`, but on the copy worker: the node is pinned now (its L1
         pages cannot move) until the copy landed; the worker takes the host pages.
@@ -589,8 +599,12 @@ class Transfers:
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
-                    for kind in pages:
-                        if (self.tree.is_resident(node, kind, Tier.HOST)
+                    for kind, ids in pages.items():
+                        # What L2 holds now must be what was written (or, after a split, its
+                        # tail): an SWA tail replaced by a longer one is not all in L3.
+                        now = self.tree.pages_of(node, kind, Tier.HOST)
+                        if (now is not None and len(now) <= len(ids)
+                                and np.array_equal(now, ids[len(ids) - len(now) :])
                                 and not self.tree.is_resident(node, kind, Tier.STORAGE)):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
 

@@ -39,6 +39,12 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 _SMALL = 32
 
 
+def _present_tail(n: int, absent: bytes | None) -> int:
+    """How many of `n` given ids at the end are present (`absent`: their absent mask, one
+    byte per id, None when none is absent)."""
+    return n if absent is None else n - 1 - absent.rfind(b"\x01")
+
+
 def _any_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Does some position hold the same id in both (same-length) arrays?"""
     if len(a) <= _SMALL:
@@ -479,6 +485,7 @@ class HiRadixTree:
         begin = start.depth
         provided, gapped = self._check_pages(pages, total - begin)
         released: list[list[np.ndarray]] = [[] for _ in self.components]
+        dropped: list[list[np.ndarray]] = [[] for _ in self.components]
         self._tick += 1
         tick = self._tick
         node, pos = start, begin
@@ -492,7 +499,7 @@ class HiRadixTree:
             else:
                 k = self._common_pages(child.key, tokens, pos * pb, total * pb)
                 child = self._split(child, k)
-            self._reconcile(child, provided, gapped, pos - begin, released, tier)
+            self._reconcile(child, provided, gapped, pos - begin, released, tier, dropped)
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
@@ -518,6 +525,7 @@ class HiRadixTree:
                 c.kind: _cat(released[c.index]) for c in self.components
             },
             end=node if node.parent is not None else None,
+            dropped={c.kind: _cat(dropped[c.index]) for c in self.components if dropped[c.index]},
         )
 
     def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None,
@@ -588,16 +596,30 @@ class HiRadixTree:
                 raise InvalidArgument(f"pages[{kind.value}]: pass the checkpoint as mamba_slot instead")
 
     def _reconcile(self, node: Node, provided: dict[int, np.ndarray], gapped: dict[int, bytes], off: int,
-                   released: list[list[np.ndarray]], tier: int) -> None:
+                   released: list[list[np.ndarray]], tier: int, dropped: list[list[np.ndarray]]) -> None:
         """Pages given for a span the tree already holds: keep the tree's own, adopt the
-        given ones into an empty slot of `tier`, hand the rest back."""
+        given ones into an empty slot of `tier` (or in front of a partial slot shorter
+        than what they bring), hand the rest back."""
         n = node.npages
         res = node.res
         for ci, arr in provided.items():
             ids = arr[off : off + n]
             held = res[ci * PAGED_TIERS + tier]
+            mask = gapped.get(ci)
+            absent = mask[off : off + n] if mask is not None else None
             if held is not None:
                 m = len(held)
+                if m < n and self._longer_tail(node, ci, tier, absent, m, dropped):
+                    # A tail shorter than the present pages given (e.g. a split left it
+                    # less than a window): the given ones in front of it extend it.
+                    present = _present_tail(n, absent)
+                    keep = ids[n - m :] != held
+                    if any_of(keep):
+                        released[ci].append(ids[n - m :][keep])
+                    self._release_present(ids[: n - present], released[ci])
+                    self._drop(node, self.components[ci], tier, {self.components[ci].kind: []})
+                    self._set(node, self.components[ci], tier, np.concatenate([ids[n - present : n - m], held]))
+                    continue
                 mine = ids if m == n else ids[n - m :]  # a partial slot is the node's tail
                 if ci not in gapped and not _any_equal(mine, held):
                     released[ci].append(ids)  # the usual case: freshly computed pages
@@ -612,8 +634,7 @@ class HiRadixTree:
                 continue
             take = 0
             if ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None:
-                absent = gapped.get(ci)
-                take = self._adoptable(node, ci, tier, absent[off : off + n] if absent else None)
+                take = self._adoptable(node, ci, tier, absent, dropped)
             if take:
                 self._set(node, self.components[ci], tier, ids if take == n else ids[n - take :])
             self._release_present(ids[: n - take], released[ci])
@@ -624,23 +645,43 @@ class HiRadixTree:
         if len(present):
             out.append(present)
 
-    def _adoptable(self, node: Node, ci: int, tier: int, absent: bytes | None) -> int:
+    def _adoptable(self, node: Node, ci: int, tier: int, absent: bytes | None,
+                   dropped: list[list[np.ndarray]]) -> int:
         """How many trailing pages of the ids given for `node` (whose `ci` slot `tier`
         lacks; `absent`: their absent mask, None when all are present) the slot may take:
-        all of them, or for a `partial_tail` component the present tail, cut to the
-        length the slot has in the other tiers (one length per node; an L3 copy is
-        whole), or 0."""
+        all of them, or for a `partial_tail` component the present tail, or 0. A slot
+        has one length per node and an L3 copy is whole: the other paged tier's copy
+        sets the length, unless it is a shorter tail that `_longer_tail` lets go."""
         n = node.npages
-        present = n if absent is None else n - 1 - absent.rfind(b"\x01")
+        present = _present_tail(n, absent)
         if ci not in self._tails:
             return n if present == n else 0
         mask = node.mask[ci]
         if mask & (1 << Tier.STORAGE):
             return n if present == n else 0
         other = node.res[ci * PAGED_TIERS + (1 - tier)] if mask & _PAGED_MASK else None
-        if other is not None:
+        if other is not None and not self._longer_tail(node, ci, tier, absent, len(other), dropped):
             return len(other) if present >= len(other) else 0
         return present
+
+    def _longer_tail(self, node: Node, ci: int, tier: int, absent: bytes | None, m: int,
+                     dropped: list[list[np.ndarray]]) -> bool:
+        """May `tier` hold a longer tail of `ci` at `node` than the `m` pages it or the
+        other paged tier holds, given ids whose absent mask is `absent`? Only for
+        `partial_tail` components, and only when that other copy can go: the node is
+        unlocked (no load reads it, no engine uses it). Then the other tier's copy is
+        dropped (its ids into `dropped`, for the caller to free there)."""
+        if ci not in self._tails or _present_tail(node.npages, absent) <= m:
+            return False
+        other_tier = 1 - tier
+        other = node.res[ci * PAGED_TIERS + other_tier]
+        if other is not None:
+            if node.lock[self._lock_idx[ci]]:
+                return False
+            freed: dict[ComponentKind, list[np.ndarray]] = {self.components[ci].kind: []}
+            self._drop(node, self.components[ci], other_tier, freed)
+            dropped[ci].extend(freed[self.components[ci].kind])
+        return True
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
                     provided: dict[int, np.ndarray], gapped: dict[int, bytes], begin: int, tick: int,

@@ -54,6 +54,10 @@ class InsertResult:
     # the caller frees them. FULL/SWA per page, MAMBA the checkpoint slot.
     released: Mapping[ComponentKind, np.ndarray]
     end: NodeHandle | None
+    # Page ids of the OTHER paged tier (L2 for an insert into L1, L1 for one into L2) the
+    # tree let go: an SWA tail there was shorter than the one this insert brought, and a
+    # slot has one length per node. The caller frees them in that tier. Usually empty.
+    dropped: Mapping[ComponentKind, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

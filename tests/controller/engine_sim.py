@@ -128,6 +128,32 @@ class Engine:
                     assert np.array_equal(rows[int(pid)], want), f"{m.name} page {i} layer {layer} wrong"
                     self.checked += 1
 
+    def insert_with_swa_tail(self, tokens: bytes, tail: int, *, hold_copies: bool = False) -> object:
+        """Like an engine that freed SWA pages outside the window during a long prefill
+        (the daemon's API always inserts whole allocations, so this goes to the tree under
+        the controller's mutex): writes the KV of every page of `tokens`, frees all but
+        the last `tail` SWA pages and inserts with -1 for them, then applies the write
+        policy. `hold_copies`: its L1->L2 copies wait until `release_flushes`. Returns
+        the end node."""
+        n = len(tokens) // (self.ps * 4)
+        transfers = self.ctl.transfers
+        with self.ctl._mu:
+            pages = {kind: transfers.allocate_l1(kind, n) for kind in (ComponentKind.FULL, ComponentKind.SWA)}
+            slot = transfers.allocate_l1(MAMBA, 1)
+            by_member = {m.name: pages.get(m.component, slot) for m in self.cfg.model.members}
+            self.write(by_member, tokens, 0)
+            swa = pages[ComponentKind.SWA]
+            transfers.free_l1(ComponentKind.SWA, swa[: n - tail])
+            given = swa.copy()
+            given[: n - tail] = -1
+            if hold_copies:
+                assert transfers.hold_flushes()
+            r = self.ctl.tree.insert(self.ns, tokens, {ComponentKind.FULL: pages[ComponentKind.FULL],
+                                                       ComponentKind.SWA: given},
+                                     mamba_slot=int(slot[0]))
+            transfers.after_insert(r.end)
+            return r.end
+
     def request(self, tokens: bytes, *, checkpoint: bool = True, load: bool = True, prefetch: bool = False):
         """One request's life: match (+allocate), load what L2 holds, write new KV, insert."""
         total_pages = len(tokens) // (self.ps * 4)

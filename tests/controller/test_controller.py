@@ -157,6 +157,103 @@ def test_sidecar_object_missing_in_l3_is_a_miss_for_the_page(make, hybrid: bool,
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == left
 
 
+def test_a_prefix_inside_a_prefetched_swa_tail_becomes_reusable_after_one_recompute(make) -> None:
+    """A prefetch from L3 reads SWA for the final window only: one node of 6 pages whose
+    SWA slot is its last 2 pages, in L1 and L2. A request for the first 5 pages splits
+    it (the head keeps 1 SWA page, less than a window) and recomputes them; its pages then
+    extend the head's tail (and the shorter L2 copy is freed), so the next requests reuse
+    all 5 pages (found by a review: every request recomputed them)."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    eng.request(seq(6))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    m = ctl.match("e1", MatchRequest("", seq(6), lock=True, prefetch=True))
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    ctl.release("e1", m.lock_id, None)
+    reused = []
+    for _ in range(3):
+        reused.append(eng.request(seq(5)).device_tokens)
+        assert ctl.transfers.drain(10)
+    assert reused == [0, 20, 20]
+    assert eng.checked > 0
+    with ctl._mu:  # the grown tail went down to L2 again (its shorter L2 copy was freed)
+        head = ctl.tree.match("", seq(5)).path[-1]
+        swa = ComponentKind.SWA
+        assert len(ctl.tree.pages_of(head, swa, Tier.HOST)) == len(ctl.tree.pages_of(head, swa, Tier.DEVICE)) == 5
+
+
+@pytest.mark.parametrize("split_at", [1, 3, 4, 5])
+def test_an_swa_tail_survives_a_split_while_its_copy_waits_and_round_trips_bit_exact(
+    make, split_at: int
+) -> None:
+    """A 6-page node whose SWA slot is its last 2 pages (the window): its L1->L2 copy is
+    held while a match splits the node, then lands on the parts that now hold those
+    pages; L2 -> L1 load, L3 write, prefetch from L3 and every byte check out."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    eng.insert_with_swa_tail(tokens, 2, hold_copies=True)
+    with ctl._mu:
+        ctl.tree.match("", tokens[: split_at * 16])  # splits the node while its copy waits
+        ctl.transfers.release_flushes()
+    assert ctl.transfers.drain(10)
+    ctl.check_integrity()
+    assert ctl.tree.resident_pages(Tier.HOST, ComponentKind.SWA) == 2
+    evict_all(ctl, Tier.DEVICE)
+    assert ctl.match("e1", MatchRequest("", tokens)).host_tokens == 24
+    eng.request(tokens + seq(1, 999))  # loads the 6 pages from L2 and verifies them
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.storage_tokens == 24  # the tail's objects were written under its own pages' keys
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    ctl.release("e1", m.lock_id, None)
+    checked = eng.checked
+    eng.request(tokens + seq(1, 999))
+    assert eng.checked > checked
+
+
+def test_an_l3_write_of_an_swa_tail_grown_meanwhile_records_no_whole_l3_copy(make) -> None:
+    """The L3 write of a node's 2-page SWA tail is under way when a longer tail replaces
+    it (and its L2 copy): the write covered 2 pages, so the tree must not record the
+    (now whole) slot as in L3."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    backend = ctl.l3.backend
+    real, gate, writing = backend._write_from, threading.Event(), threading.Event()
+
+    def slow(keys, buffers):
+        writing.set()
+        assert gate.wait(10)
+        return real(keys, buffers)
+
+    backend._write_from = slow  # type: ignore[method-assign]
+    node = eng.insert_with_swa_tail(tokens, 2)
+    assert writing.wait(10)  # the L1->L2 copy landed; the L3 write now waits
+    with ctl._mu:
+        ids = ctl.transfers.allocate_l1(ComponentKind.SWA, 4)
+        r = ctl.tree.insert("", tokens, {FULL: ctl.tree.pages_of(node, FULL, Tier.DEVICE), ComponentKind.SWA: ids})
+        assert r.released[ComponentKind.SWA].size == 2  # the tail's own 2 pages stay
+        for kind, gone in r.dropped.items():
+            ctl.transfers.free_l2(kind, gone)  # held by the L3 write: parked until it ends
+        ctl.transfers.refill_host(node)  # the grown slot goes to L2 again (as Insert does)
+        for kind, back in r.released.items():
+            ctl.transfers.free_l1(kind, back)
+    gate.set()
+    assert ctl.transfers.drain(10)
+    assert ctl.tree.is_resident(node, FULL, Tier.STORAGE)
+    assert len(ctl.tree.pages_of(node, ComponentKind.SWA, Tier.HOST)) == 4
+    # L3 holds the SWA objects of the 2 pages written; the whole slot is not recorded.
+    objects = ctl.l3.keys("", eng.hashes(tokens), ctl.cfg.model.family(ComponentKind.SWA))
+    assert backend.exists_prefix(objects[::-1]) == 2 * len(ctl.cfg.model.family(ComponentKind.SWA))
+    assert not ctl.tree.is_resident(node, ComponentKind.SWA, Tier.STORAGE)
+    ctl.check_integrity()
+
+
 def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None:
     """The read that finds page 2's object corrupt ends the prefetch there and removes the
     object; the engine recomputes pages 2-3, write-through stores page 2 again, and the

@@ -359,16 +359,70 @@ def test_a_tail_slot_has_one_length_in_every_tier() -> None:
     tree.check_integrity()
 
 
-def test_an_insert_over_a_tombstoned_node_adopts_only_a_consistent_tail() -> None:
-    """A node whose SWA slot is gone from L1 but held in L2 as a 2-page tail: a later
-    insert's SWA pages are adopted only as that 2-page tail; the rest go back."""
+@pytest.mark.parametrize("locked", [False, True])
+def test_an_insert_over_a_node_gone_from_l1_adopts_a_tail_of_one_length(locked: bool) -> None:
+    """The node left L1 and L2 holds its SWA slot as a 2-page tail. A later insert into
+    L1 brings all 4 SWA pages: they are adopted whole and the shorter L2 copy goes
+    (`dropped`); while the node is locked (a load may be reading L2) only a 2-page tail
+    is adopted, one length in both tiers, and the rest goes back."""
     tree = make_tree(4, swa_window=8)
     tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(-1, -1, 13, 14)})
     (node,) = tree.iter_nodes()
     tree.set_resident(node, FULL, Tier.HOST, ids(51, 52, 53, 54))
     tree.set_resident(node, SWA, Tier.HOST, ids(63, 64))
     tree.evict(Tier.DEVICE, FULL, 4)  # L1 copy gone (L2 keeps the family)
+    lock = tree.pin(node) if locked else None
     r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(21, 22, 23, 24)})
-    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [23, 24]
-    assert sorted(r.released[SWA].tolist()) == [21, 22]
+    if locked:
+        assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [23, 24]
+        assert sorted(r.released[SWA].tolist()) == [21, 22] and r.dropped == {}
+        tree.unlock(lock)
+    else:
+        assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [21, 22, 23, 24]
+        assert r.released[SWA].size == 0 and list(r.dropped[SWA]) == [63, 64]
+    tree.check_integrity()
+
+
+def test_a_tail_a_split_left_short_grows_with_the_next_insert() -> None:
+    """A node holding SWA for its last 2 pages (the window) is split by a request that
+    shares 5 of its 6 pages and diverges: the 5-page head keeps 1 SWA page, less than a
+    window, so its end is not reusable. That diverging insert brought whole SWA pages
+    for the head: they extend its tail in front (found by a review: the tree kept its
+    short tail and handed them back, and the boundary never became reusable)."""
+    tree = make_tree(4, swa_window=8)  # window: 2 pages
+    tree.insert("", seq(0, 24), {FULL: ids(1, 2, 3, 4, 5, 6), SWA: ids(-1, -1, -1, -1, 15, 16)})
+    r = tree.insert("", seq(0, 20) + seq(900, 4), {FULL: ids(21, 22, 23, 24, 25, 26),
+                                                    SWA: ids(31, 32, 33, 34, 35, 36)})
+    head = min(tree.iter_nodes(), key=tree.depth_tokens)
+    assert list(tree.pages_of(head, SWA, Tier.DEVICE)) == [31, 32, 33, 34, 15]
+    assert sorted(r.released[SWA].tolist()) == [35] and r.dropped == {}
+    assert tree.match("", seq(0, 20)).device_tokens == 20
+    assert tree.resident_pages(Tier.DEVICE, SWA) == 5 + 1 + 1
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_a_longer_tail_replaces_the_other_tiers_shorter_copy_unless_locked(locked: bool) -> None:
+    """L1 and L2 hold the same 2-page tail (one length per node). An insert into L1 that
+    brings the whole window grows the L1 tail and lets the L2 copy go (reported in
+    `dropped`, for the caller to free in L2), but not while the node is locked: a load
+    may be reading the L2 copy then."""
+    tree = make_tree(4, swa_window=16)  # window: 4 pages
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(-1, -1, 13, 14)})
+    (node,) = tree.iter_nodes()
+    tree.set_resident(node, FULL, Tier.HOST, ids(51, 52, 53, 54))
+    tree.set_resident(node, SWA, Tier.HOST, ids(63, 64))
+    lock = tree.pin(node) if locked else None
+    r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(21, 22, 23, 24)})
+    if locked:
+        assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [13, 14]
+        assert sorted(r.released[SWA].tolist()) == [21, 22, 23, 24] and r.dropped == {}
+        assert tree.match("", seq(0, 16)).device_tokens == 0
+        tree.unlock(lock)
+    else:
+        assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [21, 22, 13, 14]
+        assert sorted(r.released[SWA].tolist()) == [23, 24]
+        assert list(r.dropped[SWA]) == [63, 64] and not tree.is_resident(node, SWA, Tier.HOST)
+        assert tree.match("", seq(0, 16)).device_tokens == 16
+    assert sorted(r.released[FULL].tolist()) == [5, 6, 7, 8]
     tree.check_integrity()
