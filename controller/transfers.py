@@ -9,6 +9,7 @@ the backup worker).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ import numpy as np
 from hicache.arrays import any_of
 from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
-from hicache.errors import BackendUnavailable, ResourceExhausted
+from hicache.errors import BackendUnavailable, InvalidArgument, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, Tier, WritePolicy
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from hicache.controller.engines import EngineRegistry
     from hicache.tiers.base import CopyEngine, LayerCallback
 
+log = logging.getLogger("hicache.controller")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 # A pool short of room evicts this share of its pages beyond what the allocation needs
@@ -531,7 +533,13 @@ class Transfers:
                     full_there = kind is FULL or self.tree.is_resident(part, FULL, Tier.HOST)
                     if (copied and full_there and self.tree.is_live(part)
                             and not self.tree.is_resident(part, kind, Tier.HOST)):
-                        self.tree.set_resident(part, kind, Tier.HOST, host_ids[lo:hi])
+                        try:
+                            self.tree.set_resident(part, kind, Tier.HOST, host_ids[lo:hi])
+                        except InvalidArgument as e:  # a bug: the rest of the batch still lands
+                            log.error("L1->L2 copy of a %s slot not landed: %s", kind.value, e)
+                            self.stats["l2_landings_refused"] += 1
+                            self.free_l2(kind, host_ids[lo:hi])
+                            continue
                         self.stats["backups_l2"] += hi - lo
                     else:
                         self.free_l2(kind, host_ids[lo:hi])

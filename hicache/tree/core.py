@@ -668,16 +668,17 @@ class HiRadixTree:
                      dropped: list[list[np.ndarray]]) -> bool:
         """May `tier` hold a longer tail of `ci` at `node` than the `m` pages it or the
         other paged tier holds, given ids whose absent mask is `absent`? Only for
-        `partial_tail` components, and only when that other copy can go: the node is
-        unlocked (no load reads it, no engine uses it). Then the other tier's copy is
-        dropped (its ids into `dropped`, for the caller to free there)."""
+        `partial_tail` components, and only while the node is unlocked: a pinned L1->L2
+        copy, a load or a prefetch reads its slots as they are (and an engine uses them).
+        Then the other tier's copy, if any, is dropped (its ids into `dropped`, for the
+        caller to free there)."""
         if ci not in self._tails or _present_tail(node.npages, absent) <= m:
+            return False
+        if node.lock[self._lock_idx[ci]]:
             return False
         other_tier = 1 - tier
         other = node.res[ci * PAGED_TIERS + other_tier]
         if other is not None:
-            if node.lock[self._lock_idx[ci]]:
-                return False
             freed: dict[ComponentKind, list[np.ndarray]] = {self.components[ci].kind: []}
             self._drop(node, self.components[ci], other_tier, freed)
             dropped[ci].extend(freed[self.components[ci].kind])

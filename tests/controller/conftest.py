@@ -26,6 +26,9 @@ def make(tmp_path):
         return ctl
 
     yield factory
-    for ctl in built:
-        ctl.check_integrity()
-        ctl.close()
+    try:
+        for ctl in built:
+            ctl.check_integrity()
+    finally:  # a failed audit must not leave shared-memory segments behind
+        for ctl in built:
+            ctl.close()

@@ -254,6 +254,57 @@ def test_an_l3_write_of_an_swa_tail_grown_meanwhile_records_no_whole_l3_copy(mak
     ctl.check_integrity()
 
 
+@pytest.mark.parametrize("shorter", [False, True])
+def test_a_tail_whose_l1_to_l2_copy_waits_does_not_grow(make, shorter: bool) -> None:
+    """A node's 2-page SWA tail waits (pinned) for its L1->L2 copy when another request
+    inserts the same pages with all SWA pages present (or, `shorter`, a request for the
+    first 5 pages splits it and recomputes them). The tail must not grow meanwhile: the
+    copy would land 2 pages on a longer slot (found by a review: the flush worker failed
+    half-way and left pins and L2 pages behind)."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    if shorter:
+        eng.insert_with_swa_tail(tokens, 2, hold_copies=True)
+        eng.request(seq(5))
+    else:
+        mb = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=24))
+        eng.write(mb.pages, tokens, 0)
+        eng.insert_with_swa_tail(tokens, 2, hold_copies=True)
+        ctl.insert("e1", InsertRequest("", tokens, lock_id=mb.lock_id, allocation_id=mb.allocation_id,
+                                       mamba_checkpoint=True))
+    with ctl._mu:
+        ctl.transfers.release_flushes()
+    assert ctl.transfers.drain(10)
+    assert ctl.transfers.copy_worker.failures == 0 and not ctl.transfers.stats["l2_landings_refused"]
+    assert ctl.tree.active_locks == 0 and not ctl.transfers._queued_l2
+    ctl.check_integrity()
+
+
+def test_an_l1_to_l2_landing_the_tree_refuses_leaves_the_rest_of_the_batch_landed(make) -> None:
+    """Should the tree refuse one slot of a flush (a bug), that slot's L2 pages are freed
+    and counted, and the batch's other slots land and its pins are released."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_back")
+    eng = Engine(ctl)
+    real = ctl.tree.set_resident
+
+    def refuse_swa(node, kind, tier, pages=None):
+        if kind is ComponentKind.SWA and tier is Tier.HOST:
+            raise InvalidArgument("refused for the test")
+        return real(node, kind, tier, pages)
+
+    ctl.tree.set_resident = refuse_swa  # type: ignore[method-assign]
+    eng.request(seq(3))
+    eng.request(seq(3) + seq(2, 100))
+    assert ctl.transfers.drain(10)
+    ctl.tree.set_resident = real  # type: ignore[method-assign]
+    assert ctl.transfers.stats["l2_landings_refused"] >= 2
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 5  # FULL landed
+    assert ctl.tree.resident_pages(Tier.HOST, ComponentKind.SWA) == 0
+    assert ctl.tree.active_locks == 0 and not ctl.transfers._queued_l2
+    ctl.check_integrity()
+
+
 def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None:
     """The read that finds page 2's object corrupt ends the prefetch there and removes the
     object; the engine recomputes pages 2-3, write-through stores page 2 again, and the

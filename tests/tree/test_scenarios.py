@@ -426,3 +426,20 @@ def test_a_longer_tail_replaces_the_other_tiers_shorter_copy_unless_locked(locke
         assert tree.match("", seq(0, 16)).device_tokens == 16
     assert sorted(r.released[FULL].tolist()) == [5, 6, 7, 8]
     tree.check_integrity()
+
+
+def test_a_locked_tail_never_grows_even_when_no_other_tier_holds_it() -> None:
+    """A pinned node (its L1->L2 copy queued, a load or a prefetch reading it) keeps its
+    SWA slot exactly as it is: an insert bringing a longer tail gets its pages back
+    (found by a review: only a copy in the other tier was protected)."""
+    tree = make_tree(4, swa_window=16)
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4), SWA: ids(-1, -1, 13, 14)})
+    (node,) = tree.iter_nodes()
+    pin = tree.pin(node)
+    r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(21, 22, 23, 24)})
+    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [13, 14]
+    assert sorted(r.released[SWA].tolist()) == [21, 22, 23, 24] and r.dropped == {}
+    tree.unlock(pin)
+    r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(31, 32, 33, 34)})
+    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [31, 32, 13, 14]
+    tree.check_integrity()
