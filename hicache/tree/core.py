@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from hicache.arrays import any_of, min_of
-from hicache.errors import InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
 from hicache.tree.components import FULL_INDEX, Component, build_components
 from hicache.tree.eviction import EvictionQueue
@@ -382,11 +382,22 @@ class HiRadixTree:
 
     def mark_loaded(self, lock: TreeLock) -> None:
         """After a load brought the lock's whole path into L1: inserts with this lock now
-        start at its end. Raises InvalidArgument if some node is still not in L1."""
-        for node in self.lock_path(lock):
+        start at its end. Raises InvalidArgument if some node is still not in L1, and
+        FailedPrecondition if the end is reusable from L1 and L2 but L1 alone lacks
+        something a component needs there (an SWA window, a MAMBA checkpoint): an engine
+        told otherwise would compute with KV that is not there."""
+        path = self.lock_path(lock)
+        for node in path:
             assert isinstance(node, Node)
             if not node.mask[FULL_INDEX] & 1:
                 raise InvalidArgument("the locked path is not in L1 yet")
+        last = len(path)
+        if (path and self._boundary(path, LOW_TIERS[0], last - 1) != last  # type: ignore[arg-type]
+                and self._boundary(path, LOW_TIERS[1], last - 1) == last):  # type: ignore[arg-type]
+            raise FailedPrecondition(
+                "the load did not bring everything the matched boundary needs into L1 "
+                "(its pages changed meanwhile); match again"
+            )
         lock.device_end = lock.end
 
     def unlock(self, lock: TreeLock) -> None:

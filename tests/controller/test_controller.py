@@ -11,7 +11,7 @@ from engine_sim import Engine, evict_all, seq, wait_prefetch
 
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest, PrefetchState
 from hicache.convert import canonical_counters
-from hicache.errors import InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
@@ -302,6 +302,35 @@ def test_an_l1_to_l2_landing_the_tree_refuses_leaves_the_rest_of_the_batch_lande
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 5  # FULL landed
     assert ctl.tree.resident_pages(Tier.HOST, ComponentKind.SWA) == 0
     assert ctl.tree.active_locks == 0 and not ctl.transfers._queued_l2
+    ctl.check_integrity()
+
+
+def test_a_load_that_leaves_a_window_behind_fails_instead_of_reporting_the_boundary(make) -> None:
+    """Should a load land FULL but not the SWA window the matched boundary needs (a race
+    the tree's rules exclude, simulated here), the load fails and reports nothing: an
+    engine told the boundary is in L1 would compute with SWA KV that is not there."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert m.host_tokens == 16
+    real = ctl.transfers.land_in_l1
+
+    def without_swa(moves):
+        for _, kind, _, dev in moves:
+            if kind is ComponentKind.SWA:
+                ctl.transfers.free_l1(kind, dev)
+        return real([move for move in moves if move[1] is not ComponentKind.SWA])
+
+    ctl.transfers.land_in_l1 = without_swa  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="match again"):
+        list(ctl.load("e1", m.lock_id))
+    ctl.transfers.land_in_l1 = real  # type: ignore[method-assign]
+    ctl.release("e1", m.lock_id, None)
+    assert ctl.match("e1", MatchRequest("", tokens)).device_tokens == 0  # never claimed
     ctl.check_integrity()
 
 
