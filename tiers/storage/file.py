@@ -281,17 +281,21 @@ class FileBackend(StorageBackend):
         return self._caller.call(self._remove_sync, keys)
 
     def _remove_sync(self, keys: Sequence[str]) -> int:
+        # The unlink and the index entry go together under the lock: a writer storing the
+        # key meanwhile records its new file after both (never before the pop, which would
+        # leave its file untracked), and an entry whose file is gone already (a reader
+        # recorded it after another remover) is dropped too.
         removed = 0
         for key in keys:
             path = self.path_of(key)
-            try:
-                os.unlink(path)
-                removed += 1
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise _unavailable(path, e) from None
             with self._lock:
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise _unavailable(path, e) from None
                 self._used -= self._lru.pop(os.path.basename(path)[: -len(SUFFIX)], 0)
         return removed
 

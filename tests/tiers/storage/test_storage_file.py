@@ -48,6 +48,22 @@ def test_capacity_evicts_the_least_recently_used(tmp_path: Path) -> None:
     assert backend.used_bytes == 3 * OBJECT
 
 
+def test_removing_an_object_whose_file_is_gone_drops_it_from_the_capacity_index(
+    tmp_path: Path,
+) -> None:
+    """Two readers of a corrupt object both remove it; the slower one found it (and put
+    it back in the index) after the faster one removed file and entry. Its removal finds
+    no file and must still drop the entry, or the capacity count keeps a phantom (found
+    by a review)."""
+    backend = _backend(tmp_path, capacity_objects=3)
+    (key,) = keys(1)
+    backend.put_from([key], Pool(1).slots())
+    os.unlink(backend.path_of(key))  # the faster remover's unlink; the entry is still there
+    assert backend.used_bytes == OBJECT
+    assert backend.delete([key]) == 0
+    assert backend.used_bytes == 0
+
+
 def test_index_is_rebuilt_from_mtimes_at_start(tmp_path: Path) -> None:
     first = _backend(tmp_path)
     k = keys(3)
