@@ -616,8 +616,8 @@ class HiRadixTree:
         for ci, arr in provided.items():
             ids = arr[off : off + n]
             held = res[ci * PAGED_TIERS + tier]
-            mask = gapped.get(ci)
-            absent = mask[off : off + n] if mask is not None else None
+            gaps = gapped.get(ci)
+            absent = gaps[off : off + n] if gaps is not None else None
             if held is not None:
                 m = len(held)
                 if m < n and self._longer_tail(node, ci, tier, absent, m, dropped):
