@@ -449,6 +449,7 @@ class HiRadixTree:
             node = node.parent
 
     def _lock_slot(self, node: Node, comp: Component, delta: int) -> None:
+        """Lock (delta +1) or unlock (-1) a point slot (one page: a MAMBA checkpoint)."""
         ci = comp.index
         before = node.lock[ci]
         after = before + delta
@@ -456,10 +457,13 @@ class HiRadixTree:
         node.lock[ci] = after
         mask = node.mask[ci]
         if mask and (before == 0) != (after == 0):
-            pages = comp.slot_pages(node) * delta
-            for tier, row in enumerate(self._locked):
-                if mask & (1 << tier):
-                    row[ci] += pages
+            locked = self._locked
+            if mask & 1:
+                locked[0][ci] += delta
+            if mask & 2:
+                locked[1][ci] += delta
+            if mask & 4:
+                locked[2][ci] += delta
 
     # ------------------------------------------------------------------ insert
 
@@ -496,7 +500,7 @@ class HiRadixTree:
         begin = start.depth
         provided, gapped = self._check_pages(pages, total - begin)
         released: list[list[np.ndarray]] = [[] for _ in self.components]
-        dropped: list[list[np.ndarray]] = [[] for _ in self.components]
+        dropped: list[tuple[int, np.ndarray]] = []  # (component index, ids): rare
         self._tick += 1
         tick = self._tick
         node, pos = start, begin
@@ -536,7 +540,7 @@ class HiRadixTree:
                 c.kind: _cat(released[c.index]) for c in self.components
             },
             end=node if node.parent is not None else None,
-            dropped={c.kind: _cat(dropped[c.index]) for c in self.components if dropped[c.index]},
+            dropped=self._by_component(dropped) if dropped else {},
         )
 
     def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None,
@@ -607,7 +611,7 @@ class HiRadixTree:
                 raise InvalidArgument(f"pages[{kind.value}]: pass the checkpoint as mamba_slot instead")
 
     def _reconcile(self, node: Node, provided: dict[int, np.ndarray], gapped: dict[int, bytes], off: int,
-                   released: list[list[np.ndarray]], tier: int, dropped: list[list[np.ndarray]]) -> None:
+                   released: list[list[np.ndarray]], tier: int, dropped: list[tuple[int, np.ndarray]]) -> None:
         """Pages given for a span the tree already holds: keep the tree's own, adopt the
         given ones into an empty slot of `tier` (or in front of a partial slot shorter
         than what they bring), hand the rest back."""
@@ -650,6 +654,12 @@ class HiRadixTree:
                 self._set(node, self.components[ci], tier, ids if take == n else ids[n - take :])
             self._release_present(ids[: n - take], released[ci])
 
+    def _by_component(self, pairs: list[tuple[int, np.ndarray]]) -> dict[ComponentKind, np.ndarray]:
+        joined: dict[ComponentKind, list[np.ndarray]] = {}
+        for ci, ids in pairs:
+            joined.setdefault(self.components[ci].kind, []).append(ids)
+        return {kind: _cat(parts) for kind, parts in joined.items()}
+
     @staticmethod
     def _release_present(ids: np.ndarray, out: list[np.ndarray]) -> None:
         present = ids[ids >= 0]
@@ -657,7 +667,7 @@ class HiRadixTree:
             out.append(present)
 
     def _adoptable(self, node: Node, ci: int, tier: int, absent: bytes | None,
-                   dropped: list[list[np.ndarray]]) -> int:
+                   dropped: list[tuple[int, np.ndarray]]) -> int:
         """How many trailing pages of the ids given for `node` (whose `ci` slot `tier`
         lacks; `absent`: their absent mask, None when all are present) the slot may take:
         all of them, or for a `partial_tail` component the present tail, or 0. A slot
@@ -676,7 +686,7 @@ class HiRadixTree:
         return present
 
     def _longer_tail(self, node: Node, ci: int, tier: int, absent: bytes | None, m: int,
-                     dropped: list[list[np.ndarray]]) -> bool:
+                     dropped: list[tuple[int, np.ndarray]]) -> bool:
         """May `tier` hold a longer tail of `ci` at `node` than the `m` pages it or the
         other paged tier holds, given ids whose absent mask is `absent`? Only for
         `partial_tail` components, and only while the node is unlocked: a pinned L1->L2
@@ -692,7 +702,7 @@ class HiRadixTree:
         if other is not None:
             freed: dict[ComponentKind, list[np.ndarray]] = {self.components[ci].kind: []}
             self._drop(node, self.components[ci], other_tier, freed)
-            dropped[ci].extend(freed[self.components[ci].kind])
+            dropped.extend((ci, ids) for ids in freed[self.components[ci].kind])
         return True
 
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
@@ -700,7 +710,10 @@ class HiRadixTree:
                     tier: int, checkpoint: int | None = None) -> Node:
         breaks: list[int] = []
         for ci, absent in gapped.items():
-            breaks.extend(self.components[ci].split_breaks(absent[pos - begin : total - begin]))
+            seg = absent[pos - begin : total - begin]
+            if ci in self._tails and b"\x00\x01" not in seg:
+                continue  # absent pages, then present ones: one node holds them as a tail
+            breaks.extend(self.components[ci].split_breaks(seg))
         cuts = [pos, *sorted({b + pos for b in breaks}), total] if breaks else [pos, total]
         pb = self._pb
         node = parent
@@ -717,7 +730,8 @@ class HiRadixTree:
                         slots[i] = (ci, ids[start - (lo - begin) :] if start >= 0 else ids[:0])
             if checkpoint is not None and hi == total:
                 point = np.array([checkpoint], dtype=np.int64)
-                slots.extend((c.index, point) for c in self._point_comps)
+                for ci in self._points:
+                    slots.append((ci, point))
             self._set_new(child, tier, slots)
             node = child
         return node
