@@ -18,12 +18,16 @@ MAMBA = ComponentKind.MAMBA
 
 
 def tiny_config(tmp_path, *, hybrid: bool = False, sidecar: bool = False, backend: str = "file",
-                l1_tokens: int = 64 * 4, **sets: object) -> HicacheConfig:
+                l1_tokens: int = 64 * 4, swa_only: bool = False, **sets: object) -> HicacheConfig:
+    """`hybrid`: FULL+SWA+MAMBA with an indexer and a conv sidecar; `swa_only`: FULL+SWA
+    (no MAMBA: every boundary with its SWA window is reusable)."""
     comps: dict = {"full": {"layers": 2, "bytes_per_token_per_layer": 8}}
     sidecars: dict = {}
     if sidecar:
         sidecars = {"indexer": {"anchor": "full", "layers": 2, "bytes_per_token_per_layer": 2}}
-    if hybrid:
+    if swa_only:
+        comps["swa"] = {"layers": 2, "bytes_per_token_per_layer": 8, "window_tokens": 8}
+    elif hybrid:
         comps["swa"] = {"layers": 2, "bytes_per_token_per_layer": 8, "window_tokens": 8}
         comps["mamba"] = {"layers": 2, "state_bytes_per_layer": 64}
         sidecars = {

@@ -334,6 +334,59 @@ def test_a_load_that_leaves_a_window_behind_fails_instead_of_reporting_the_bound
     ctl.check_integrity()
 
 
+def test_a_prefetch_commit_leaves_an_swa_tail_a_load_is_copying_alone(make) -> None:
+    """FULL+SWA. Node X (6 pages, SWA tail of 2) is only in L2. R1 matches all of X and
+    loads it; while R1's copy runs outside the mutex, R2 (the first 5 pages: the split
+    head keeps 1 SWA page, less than a window) prefetches those pages from L3 and commits
+    them into L2. The head is locked by R1's load, so its L2 tail must not change under
+    the copy (found by a review: it grew, the load freed the window it had copied and
+    still reported the boundary)."""
+    ctl = make(swa_only=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(6)
+    eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    evict_all(ctl, Tier.HOST)
+    m0 = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert wait_prefetch(ctl, m0.prefetch_id) is PrefetchState.DONE
+    ctl.release("e1", m0.lock_id, None)
+    evict_all(ctl, Tier.DEVICE)  # X: 6 pages in L2, its SWA slot the last 2
+    m1 = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert m1.host_tokens == 24
+    copying, committed = threading.Event(), threading.Event()
+    real_copy = ctl.transfers.copier.host_to_device
+
+    def held_copy(kind, host, dev, on_layer=None):
+        if threading.current_thread().name.startswith("hicache-load"):
+            copying.set()
+            assert committed.wait(10)
+        return real_copy(kind, host, dev, on_layer=on_layer)
+
+    ctl.transfers.copier.host_to_device = held_copy  # type: ignore[method-assign]
+    out: list = []
+    load = threading.Thread(target=lambda: out.extend(ctl.load("e1", m1.lock_id)))
+    load.start()
+    assert copying.wait(10)  # R1's L1 pages are reserved; its copy waits
+    with ctl._mu:  # no free L1 left: R2's prefetch cannot follow into L1 and hide the race
+        fill = ctl.transfers._allocators[Tier.DEVICE][FULL]
+        taken = fill.allocate(fill.free_count)
+    m2 = ctl.match("e1", MatchRequest("", seq(5), lock=True, prefetch=True))
+    assert wait_prefetch(ctl, m2.prefetch_id) is PrefetchState.DONE
+    committed.set()
+    load.join(10)
+    ctl.transfers.copier.host_to_device = real_copy  # type: ignore[method-assign]
+    with ctl._mu:
+        ctl.transfers.free_l1(FULL, taken)
+    swa = ctl.cfg.model.family(ComponentKind.SWA)[0].name
+    assert out and out[-1].device_tokens == 24
+    assert (out[-1].device_pages[swa][-2:] >= 0).all()  # the window before the boundary
+    ctl.release("e1", m2.lock_id, None)
+    ctl.release("e1", m1.lock_id, None)
+    eng.request(tokens + seq(1, 999))  # verifies every reused byte
+    ctl.check_integrity()
+
+
 def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None:
     """The read that finds page 2's object corrupt ends the prefetch there and removes the
     object; the engine recomputes pages 2-3, write-through stores page 2 again, and the
