@@ -740,8 +740,7 @@ class Transfers:
             self.stats["loaded_pages"] += self.land_in_l1(op.moves)
             if abandoned:
                 return  # the copy is kept; the lock (maybe released by now) is not touched
-            self.tree.mark_loaded(lock)
-            pages = self._path_pages(lock)
+            pages = self.tree.mark_loaded(lock)
             tokens = self.tree.depth_tokens(lock.end)
         yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
 
@@ -778,26 +777,6 @@ class Transfers:
                 sent = ready
                 yield LoadProgress(layers_ready=ready, layers_total=op.layers_total)
         running.result()  # work() keeps its exception in op.error: this only waits
-
-    def _path_pages(self, lock: TreeLock) -> dict[ComponentKind, np.ndarray]:
-        path = self.tree.lock_path(lock)
-        out: dict[ComponentKind, np.ndarray] = {}
-        for kind in self.ctl._kinds:
-            if kind is MAMBA:
-                ids = self.tree.pages_of(path[-1], kind, Tier.DEVICE) if path else None
-                out[kind] = ids if ids is not None else np.empty(0, dtype=np.int64)
-                continue
-            parts = []
-            for node in path:
-                ids = self.tree.pages_of(node, kind, Tier.DEVICE)
-                full = self.tree.pages_of(node, FULL, Tier.DEVICE)
-                n = 0 if full is None else len(full)
-                if ids is None or len(ids) < n:  # a tombstone, or a tail: -1 before it
-                    held = ids if ids is not None else np.empty(0, dtype=np.int64)
-                    ids = np.concatenate([np.full(n - len(held), -1, dtype=np.int64), held])
-                parts.append(ids)
-            out[kind] = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        return out
 
     def copy_l1_slot(self, kind: ComponentKind, src: int, dst: int) -> None:
         """Copy one L1 slot of a family to another (MAMBA copy-on-write)."""

@@ -109,7 +109,7 @@ class HiRadixTree:
         self._child_sensitive = [c.index for c in self._others if c.child_sensitive]
         # Components whose L1/L2 slot may hold only its node's tail (SWA).
         self._tails = frozenset(c.index for c in self.components if c.partial_tail)
-        self._points = frozenset(c.index for c in self.components if not c.per_page)
+        self._points = [c.index for c in self.components if not c.per_page]
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
@@ -380,9 +380,10 @@ class HiRadixTree:
             return self.page_hashes(node)[-PAGE_HASH_BYTES:]
         return chain_seed(namespace, self._model_id, self._kv_dtype)
 
-    def mark_loaded(self, lock: TreeLock) -> None:
+    def mark_loaded(self, lock: TreeLock) -> dict[ComponentKind, np.ndarray]:
         """After a load brought the lock's whole path into L1: inserts with this lock now
-        start at its end. Raises InvalidArgument if some node is still not in L1, and
+        start at its end; returns the path's L1 pages (as a match's `device_pages`).
+        Raises InvalidArgument if some node is still not in L1, and
         FailedPrecondition if the end is reusable from L1 and L2 but L1 alone lacks
         something a component needs there (an SWA window, a MAMBA checkpoint): an engine
         told otherwise would compute with KV that is not there."""
@@ -399,6 +400,7 @@ class HiRadixTree:
                 "(its pages changed meanwhile); match again"
             )
         lock.device_end = lock.end
+        return self._device_pages(path, last)  # type: ignore[arg-type]
 
     def unlock(self, lock: TreeLock) -> None:
         """Release a lock. Raises NotFound when it was released already."""
@@ -457,13 +459,9 @@ class HiRadixTree:
         node.lock[ci] = after
         mask = node.mask[ci]
         if mask and (before == 0) != (after == 0):
-            locked = self._locked
-            if mask & 1:
-                locked[0][ci] += delta
-            if mask & 2:
-                locked[1][ci] += delta
-            if mask & 4:
-                locked[2][ci] += delta
+            for tier, row in enumerate(self._locked):
+                if mask & (1 << tier):
+                    row[ci] += delta
 
     # ------------------------------------------------------------------ insert
 
@@ -518,7 +516,7 @@ class HiRadixTree:
             child.last_access = tick
             node, pos = child, pos + k
         reused = pos
-        if pos < total:  # (the checkpoint goes on the new end with its family)
+        if pos < total:  # a new end gets its checkpoint with the rest of its family
             node = self._add_suffix(node, tokens, pos, total, provided, gapped, begin, tick, tier,
                                     mamba_slot)
         elif mamba_slot is not None:
@@ -710,10 +708,7 @@ class HiRadixTree:
                     tier: int, checkpoint: int | None = None) -> Node:
         breaks: list[int] = []
         for ci, absent in gapped.items():
-            seg = absent[pos - begin : total - begin]
-            if ci in self._tails and b"\x00\x01" not in seg:
-                continue  # absent pages, then present ones: one node holds them as a tail
-            breaks.extend(self.components[ci].split_breaks(seg))
+            breaks.extend(self.components[ci].split_breaks(absent[pos - begin : total - begin]))
         cuts = [pos, *sorted({b + pos for b in breaks}), total] if breaks else [pos, total]
         pb = self._pb
         node = parent
@@ -730,16 +725,15 @@ class HiRadixTree:
                         slots[i] = (ci, ids[start - (lo - begin) :] if start >= 0 else ids[:0])
             if checkpoint is not None and hi == total:
                 point = np.array([checkpoint], dtype=np.int64)
-                for ci in self._points:
-                    slots.append((ci, point))
+                slots.extend((ci, point) for ci in self._points)
             self._set_new(child, tier, slots)
             node = child
         return node
 
     def _set_new(self, node: Node, tier: int, slots: list[tuple[int, np.ndarray]]) -> None:
         """`_set` of a whole family on a node just created under its parent (FULL first,
-        nothing locked, no other tier; point slots such as a MAMBA checkpoint at its end
-        included): the same bookkeeping, done once per node."""
+        nothing locked, no other tier; a point slot such as the MAMBA checkpoint at its
+        end included): the same bookkeeping, done once per node."""
         bit = 1 << tier
         n = node.npages
         resident = self._resident[tier]
@@ -747,7 +741,7 @@ class HiRadixTree:
         mask, res = node.mask, node.res
         for ci, ids in slots:
             m = len(ids)
-            if m < n and ci not in self._points:
+            if m < n and ci not in self._points:  # (a point slot is one page)
                 if not m or ci not in self._tails:
                     continue  # a tombstone (SWA pages freed out of window)
                 mask[ci] |= PARTIAL

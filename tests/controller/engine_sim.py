@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from hicache.config import HicacheConfig, build_config
-from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
+from hicache.controller.base import InsertRequest, MatchOutcome, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController
 from hicache.keys import chain_hashes, chain_seed
 from hicache.types import ComponentKind, Tier
@@ -67,6 +67,17 @@ def evict_all(ctl, *tiers: Tier) -> None:
             pools = ctl.device if tier is Tier.DEVICE else ctl.host
             for kind in ctl._kinds:
                 ctl.transfers._evict(tier, kind, pools.allocator(kind).total)
+
+
+def prefetch_back(ctl, tokens: bytes, state: PrefetchState = PrefetchState.DONE,
+                  engine_id: str = "e1") -> MatchOutcome:
+    """Match `tokens` with a prefetch, wait until it ends in `state`, release the lock;
+    the match's outcome."""
+    m = ctl.match(engine_id, MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.prefetch_id
+    assert wait_prefetch(ctl, m.prefetch_id) is state
+    ctl.release(engine_id, m.lock_id, None)
+    return m
 
 
 def wait_prefetch(ctl, prefetch_id: int, timeout_s: float = 10.0):
@@ -157,6 +168,12 @@ class Engine:
                                      mamba_slot=int(slot[0]))
             transfers.after_insert(r.end)
             return r.end
+
+    def request_then_only_in_l3(self, tokens: bytes) -> None:
+        """One request for `tokens` (the config writes through to L3), then L1 and L2
+        emptied: the pages are left in L3 alone."""
+        self.request(tokens)
+        evict_all(self.ctl, Tier.DEVICE, Tier.HOST)
 
     def request(self, tokens: bytes, *, checkpoint: bool = True, load: bool = True, prefetch: bool = False):
         """One request's life: match (+allocate), load what L2 holds, write new KV, insert."""

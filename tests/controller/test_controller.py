@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, seq, wait_prefetch
+from engine_sim import Engine, evict_all, prefetch_back, seq, wait_prefetch
 
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest, PrefetchState
 from hicache.convert import canonical_counters
@@ -25,15 +25,11 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     eng.request(tokens)
     assert ctl.transfers.drain(10)
     ctl.check_integrity()
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
     m = ctl.match("e1", MatchRequest("", tokens))
     assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 24)
     puts = ctl.l3.backend.stats().puts
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
-    assert m.prefetch_id
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
+    prefetch_back(ctl, tokens)
     m2 = ctl.match("e1", MatchRequest("", tokens))
     # L1 had free pages: each batch followed the (empty) L1 prefix up from L2.
     assert (m2.device_tokens, m2.host_tokens) == (24, 0)
@@ -144,10 +140,7 @@ def test_sidecar_object_missing_in_l3_is_a_miss_for_the_page(make, hybrid: bool,
     ctl = make(hybrid=hybrid, sidecar=not hybrid, write__l1_to_l2="write_through",
                write__l2_to_l3="write_through")
     eng = Engine(ctl)
-    eng.request(seq(4))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    eng.request_then_only_in_l3(seq(4))
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
     # Delete the indexer sidecar of page 2 behind the controller's back.
     hs = eng.hashes(seq(4))
@@ -165,13 +158,8 @@ def test_a_prefix_inside_a_prefetched_swa_tail_becomes_reusable_after_one_recomp
     all 5 pages (found by a review: every request recomputed them)."""
     ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
-    eng.request(seq(6))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
-    m = ctl.match("e1", MatchRequest("", seq(6), lock=True, prefetch=True))
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
+    eng.request_then_only_in_l3(seq(6))
+    prefetch_back(ctl, seq(6))
     reused = []
     for _ in range(3):
         reused.append(eng.request(seq(5)).device_tokens)
@@ -203,14 +191,9 @@ def test_an_swa_tail_survives_a_split_while_its_copy_waits_and_round_trips_bit_e
     assert ctl.tree.resident_pages(Tier.HOST, ComponentKind.SWA) == 2
     evict_all(ctl, Tier.DEVICE)
     assert ctl.match("e1", MatchRequest("", tokens)).host_tokens == 24
-    eng.request(tokens + seq(1, 999))  # loads the 6 pages from L2 and verifies them
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    eng.request_then_only_in_l3(tokens + seq(1, 999))  # loads the 6 pages from L2, verified
+    m = prefetch_back(ctl, tokens)
     assert m.storage_tokens == 24  # the tail's objects were written under its own pages' keys
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
     checked = eng.checked
     eng.request(tokens + seq(1, 999))
     assert eng.checked > checked
@@ -344,13 +327,8 @@ def test_a_prefetch_commit_leaves_an_swa_tail_a_load_is_copying_alone(make) -> N
     ctl = make(swa_only=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(6)
-    eng.request(tokens)
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
-    m0 = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
-    assert wait_prefetch(ctl, m0.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m0.lock_id, None)
+    eng.request_then_only_in_l3(tokens)
+    prefetch_back(ctl, tokens)
     evict_all(ctl, Tier.DEVICE)  # X: 6 pages in L2, its SWA slot the last 2
     m1 = ctl.match("e1", MatchRequest("", tokens, lock=True))
     assert m1.host_tokens == 24
@@ -394,10 +372,7 @@ def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(4)
-    eng.request(tokens)
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    eng.request_then_only_in_l3(tokens)
     key = ctl.l3.keys("", [eng.hashes(tokens)[2]], ctl.cfg.model.family(FULL))[0]
     with open(ctl.l3.backend.path_of(key), "r+b") as f:
         f.seek(-1, 2)
@@ -405,23 +380,15 @@ def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0x01]))
 
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    m = prefetch_back(ctl, tokens, PrefetchState.FAILED)  # ended short
     assert m.storage_tokens == 16  # presence is not content
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.FAILED  # ended short
     assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 8
-    ctl.release("e1", m.lock_id, None)
     (l3,) = ctl.stats().l3
     assert (l3.corrupt, l3.corrupt_removed) == (1, 1)
     assert ctl.l3.backend.exists_prefix([key]) == 0
 
-    eng.request(tokens)  # pages 0-1 from L1 (verified), 2-3 computed and inserted
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
-    assert m.storage_tokens == 16
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
+    eng.request_then_only_in_l3(tokens)  # pages 0-1 from L1 (verified), 2-3 recomputed
+    assert prefetch_back(ctl, tokens).storage_tokens == 16
     checked = eng.checked
     eng.request(tokens)
     assert eng.checked > checked and ctl.match("e1", MatchRequest("", tokens)).device_tokens == 16
@@ -433,10 +400,7 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
                prefetch__timeout_per_ki_token_s=0.0, prefetch__timeout_max_s=0.3)
     eng = Engine(ctl)
     tokens = seq(40)
-    eng.request(tokens)
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    eng.request_then_only_in_l3(tokens)
     backend = ctl.l3.backend
     real = backend._read_into
 
@@ -470,10 +434,7 @@ def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through",
                prefetch__policy="best_effort")
     eng = Engine(ctl)
-    eng.request(seq(8))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    eng.request_then_only_in_l3(seq(8))
     gate = threading.Event()
     real = ctl.l3.backend._read_into
     ctl.l3.backend._read_into = lambda k, b: (gate.wait(5), real(k, b))[1]  # type: ignore[method-assign]
@@ -534,8 +495,7 @@ def test_l2_to_l3_write_back_writes_on_eviction_and_frees_after(make) -> None:
     eng.request(seq(4))
     assert ctl.transfers.drain(10)
     assert ctl.tree.resident_pages(Tier.STORAGE, FULL) == 0  # nothing goes down before eviction
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
     assert ctl.transfers.drain(10)
     ctl.check_integrity()  # the job freed the host pages it held
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
@@ -626,9 +586,7 @@ def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(
     prompts = [seq(2, 1000 * (i + 1)) for i in range(3)]
     for tokens in prompts:
         eng.request(tokens)
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
     ctl.prefetcher._keep = 1
     gate = threading.Event()
     backend = ctl.l3.backend

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import Engine, evict_all, tiny_config, toks, wait_prefetch
+from engine_sim import Engine, prefetch_back, tiny_config, toks
 
 from hicache.controller.base import (
     L3_OP_BUCKETS,
@@ -16,13 +16,10 @@ from hicache.controller.base import (
     L3OpLatency,
     L3Outcome,
     L3Stats,
-    MatchRequest,
-    PrefetchState,
 )
 from hicache.controller.controller import build_controller
 from hicache.controller.l3_latency import L3OpRecorder
 from hicache.errors import BackendUnavailable
-from hicache.types import Tier
 
 OK, UNAVAILABLE, ERROR = L3Outcome.OK, L3Outcome.UNAVAILABLE, L3Outcome.ERROR
 BOUNDS = (0.001, 0.01, 0.1)
@@ -137,12 +134,8 @@ def test_backup_lookup_prefetch_and_probe_are_timed_against_the_file_backend(ctl
 
     eng = Engine(ctl)
     tokens = toks(np.arange(0, 6 * 4))
-    eng.request(tokens)  # L1 -> L2 -> L3 (write through): put
-    evict_all(ctl, Tier.DEVICE, Tier.HOST)
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))  # exists, then get
-    assert m.storage_tokens == 24 and m.prefetch_id
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
+    eng.request_then_only_in_l3(tokens)  # L1 -> L2 -> L3 (write through): put
+    assert prefetch_back(ctl, tokens).storage_tokens == 24  # exists, then get
     assert ctl.health(deep=True)[0].healthy
 
     (l3,) = ctl.stats().l3

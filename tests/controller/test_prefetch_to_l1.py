@@ -9,20 +9,13 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, seq, wait_prefetch
+from engine_sim import Engine, prefetch_back, seq
 
 import hicache.controller.prefetch as pf
 from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
-from hicache.types import ComponentKind, Tier
+from hicache.types import ComponentKind
 
 FULL = ComponentKind.FULL
-
-
-def _in_l3_only(ctl, eng: Engine, tokens: bytes) -> None:
-    eng.request(tokens)
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE)
-    evict_all(ctl, Tier.HOST)
 
 
 def _in_l3_only_with_copier(make, pages: int):  # type: ignore[no-untyped-def]
@@ -31,17 +24,9 @@ def _in_l3_only_with_copier(make, pages: int):  # type: ignore[no-untyped-def]
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(pages)
-    _in_l3_only(ctl, eng, tokens)
+    eng.request_then_only_in_l3(tokens)
     copier = ctl.transfers.copier
     return ctl, eng, tokens, copier, copier.host_to_device
-
-
-def _prefetch(ctl, tokens: bytes) -> None:
-    """Match with a prefetch, wait for it to finish, release the lock."""
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
-    assert m.prefetch_id
-    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
-    ctl.release("e1", m.lock_id, None)
 
 
 def _hog_free_l1(ctl) -> int:
@@ -55,9 +40,9 @@ def test_batches_follow_into_free_l1_and_the_load_copies_nothing(make, monkeypat
     ctl = make(hybrid=hybrid, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(7)
-    _in_l3_only(ctl, eng, tokens)
+    eng.request_then_only_in_l3(tokens)
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)  # batches 1-3 go to the L1 worker, the 4th inline
-    _prefetch(ctl, tokens)
+    prefetch_back(ctl, tokens)
     m = ctl.match("e1", MatchRequest("", tokens, lock=True))
     assert (m.device_tokens, m.host_tokens) == (28, 0)
     eng.verify(m.device_pages, tokens, 7)
@@ -73,9 +58,9 @@ def test_without_free_l1_the_prefetch_stays_in_l2_and_the_load_brings_it(make) -
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(6)
-    _in_l3_only(ctl, eng, tokens)
+    eng.request_then_only_in_l3(tokens)
     hog = _hog_free_l1(ctl)
-    _prefetch(ctl, tokens)
+    prefetch_back(ctl, tokens)
     counters = ctl.stats().counters
     assert counters["prefetch_to_l1_no_room"] == 1 and counters.get("prefetch_pages_to_l1", 0) == 0
     ctl.release("e1", None, hog)
@@ -88,11 +73,11 @@ def test_without_free_l1_the_prefetch_stays_in_l2_and_the_load_brings_it(make) -
 def test_below_a_prefix_that_only_l2_holds_the_prefetch_stays_in_l2(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
-    _in_l3_only(ctl, eng, seq(8))
+    eng.request_then_only_in_l3(seq(8))
     hog = _hog_free_l1(ctl)
-    _prefetch(ctl, seq(3))  # pages 0-2 come to L2 only: L1 has no room
+    prefetch_back(ctl, seq(3))  # pages 0-2 come to L2 only: L1 has no room
     ctl.release("e1", None, hog)
-    _prefetch(ctl, seq(8))  # L1 has room now, but the prefix above these pages is not there
+    prefetch_back(ctl, seq(8))  # L1 has room now, but the prefix above these pages is not there
     m = ctl.match("e1", MatchRequest("", seq(8)))
     assert (m.device_tokens, m.host_tokens) == (0, 32)
     assert ctl.stats().counters.get("prefetch_pages_to_l1", 0) == 0
@@ -133,7 +118,7 @@ def test_a_failed_copy_to_l1_frees_its_l1_pages_and_the_pages_stay_in_l2(make) -
 
     copier.host_to_device = broken  # type: ignore[method-assign]
     free = ctl.device.allocator(FULL).free_count
-    _prefetch(ctl, tokens)  # the prefetch itself succeeds
+    prefetch_back(ctl, tokens)  # the prefetch itself succeeds
     assert ctl.device.allocator(FULL).free_count == free
     assert ctl.stats().counters["prefetch_to_l1_failed"] == 1
     copier.host_to_device = real  # type: ignore[method-assign]
@@ -163,7 +148,7 @@ def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(mak
         return landed
 
     monkeypatch.setattr(ctl.transfers, "land_in_l1", audited)
-    _prefetch(ctl, tokens)
+    prefetch_back(ctl, tokens)
     assert ctl.stats().counters["prefetch_pages_to_l1"] == 7
     m = ctl.match("e1", MatchRequest("", tokens))
     assert m.device_tokens == 28
@@ -184,7 +169,7 @@ def test_after_a_failed_copy_later_batches_stay_in_l2(make, monkeypatch) -> None
         return real(kind, host, dev, on_layer=on_layer)
 
     monkeypatch.setattr(copier, "host_to_device", first_fails)
-    _prefetch(ctl, tokens)
+    prefetch_back(ctl, tokens)
     monkeypatch.setattr(copier, "host_to_device", real)
     counters = ctl.stats().counters
     assert counters["prefetch_to_l1_failed"] == 1

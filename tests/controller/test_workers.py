@@ -3,15 +3,26 @@ failure that never kills the thread, drain, and no job accepted once closed."""
 
 from __future__ import annotations
 
-from hicache.controller.workers import Job, Worker
+import contextlib
+from collections.abc import Iterator
+
+from hicache.controller.workers import BreakerOpen, Job, Worker
+
+
+@contextlib.contextmanager
+def _running(retries: int, backoff_s: float) -> Iterator[tuple[Worker, list[int], list[BaseException]]]:
+    """A started worker (closed after), a list each attempt appends to and the errors
+    passed to give-up handlers."""
+    worker = Worker("test", capacity=8, retries=retries, backoff_s=backoff_s)
+    worker.start()
+    try:
+        yield worker, [], []
+    finally:
+        worker.close()
 
 
 def test_a_failing_job_is_retried_then_given_up_and_the_worker_goes_on() -> None:
-    worker = Worker("test", capacity=8, retries=2, backoff_s=0.001)
-    worker.start()
-    try:
-        attempts: list[int] = []
-        gave_up: list[BaseException] = []
+    with _running(retries=2, backoff_s=0.001) as (worker, attempts, gave_up):
 
         def flaky() -> None:
             attempts.append(1)
@@ -24,8 +35,6 @@ def test_a_failing_job_is_retried_then_given_up_and_the_worker_goes_on() -> None
         assert len(attempts) == 3 and worker.failures == 3  # the first try and two retries
         assert len(gave_up) == 1 and "backend down" in str(gave_up[0])
         assert done == ["ran"] and worker.alive
-    finally:
-        worker.close()
 
 
 def test_a_closed_worker_refuses_jobs_so_callers_clean_up_themselves() -> None:
@@ -46,13 +55,7 @@ def test_a_full_queue_refuses_jobs() -> None:
 def test_a_job_that_retrying_cannot_help_is_given_up_at_once() -> None:
     """With the L3 circuit breaker open a write fails at once, again and again: backing
     off with every queued job (holding its L2 pages) would drain the queue for hours."""
-    from hicache.controller.workers import BreakerOpen
-
-    worker = Worker("test", capacity=8, retries=5, backoff_s=10.0)
-    worker.start()
-    try:
-        attempts: list[int] = []
-        gave_up: list[BaseException] = []
+    with _running(retries=5, backoff_s=10.0) as (worker, attempts, gave_up):
 
         def refused() -> None:
             attempts.append(1)
@@ -63,5 +66,3 @@ def test_a_job_that_retrying_cannot_help_is_given_up_at_once() -> None:
         assert worker.drain(5)  # (with the 10 s backoff, one retry would time this out)
         assert len(attempts) == 3 and len(gave_up) == 3
         assert all(isinstance(e, BreakerOpen) for e in gave_up)
-    finally:
-        worker.close()
