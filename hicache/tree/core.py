@@ -37,6 +37,8 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 # Below this many page ids comparing as lists costs less than a numpy comparison (a
 # page-64 node holds about 16 ids).
 _SMALL = 32
+# Window walks owed (`_moved`) run without an eviction when this many gather.
+_WINDOW_WALKS_AT = 4096
 
 
 def _present_tail(n: int, absent: bytes | None) -> int:
@@ -122,6 +124,10 @@ class HiRadixTree:
         self._queues = [
             [self._make_queue(tier, comp) for comp in self.components] for tier in range(PAGED_TIERS)
         ]
+        # Per tier, parents whose FULL children changed there since the last eviction: the
+        # window walks of `_offer_windows` they owe, run (once per parent) when an eviction
+        # next needs the queues. An insert then costs one append, not a walk per new node.
+        self._moved: list[list[Node]] = [[] for _ in range(PAGED_TIERS)]
 
     def _make_queue(self, tier: int, comp: Component) -> EvictionQueue:
         ci = comp.index
@@ -947,8 +953,8 @@ class HiRadixTree:
         """A child's FULL slot arrived in `tier`: the parent's other slots may now drop
         data the child covers (SWA outside the kept window)."""
         parent.nres[tier] += 1
-        if parent.parent is not None:
-            self._offer_windows(parent, tier)
+        if parent.parent is not None and self._child_sensitive:
+            self._window_moved(parent, tier)
 
     def _after_full_left(self, parent: Node, tier: int) -> None:
         """A child's FULL slot left `tier`: the parent may now be a FULL candidate, and
@@ -956,7 +962,25 @@ class HiRadixTree:
         if parent.parent is None:
             return
         self._queues[tier][FULL_INDEX].offer(parent)
-        self._offer_windows(parent, tier)
+        if self._child_sensitive:
+            self._window_moved(parent, tier)
+
+    def _window_moved(self, parent: Node, tier: int) -> None:
+        moved = self._moved[tier]
+        moved.append(parent)
+        if len(moved) >= _WINDOW_WALKS_AT:  # bounded memory where evictions are rare
+            self._offer_moved(tier)
+
+    def _offer_moved(self, tier: int) -> None:
+        """Run the window walks owed since the last call, once per parent. A parent
+        deleted meanwhile has no slots left (its walk offers only live ancestors, and
+        extra offers are dropped when drained); a split one walks through its new head,
+        so the same ancestors are reached."""
+        moved = self._moved[tier]
+        if moved:
+            self._moved[tier] = []
+            for parent in dict.fromkeys(moved):
+                self._offer_windows(parent, tier)
 
     def _offer_windows(self, parent: Node, tier: int) -> None:
         """The path below `parent` changed in `tier`: for child-sensitive components every
@@ -995,6 +1019,7 @@ class HiRadixTree:
             raise InvalidArgument("the L3 backend manages its own eviction")
         comp = self._by_kind[kind]
         queue = self._queues[tier][comp.index]
+        self._offer_moved(tier)
         queue.unpark()
         freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
         evicted = victims = 0
@@ -1103,4 +1128,6 @@ class HiRadixTree:
         violation. O(tree); for tests and idle-time checks."""
         from hicache.tree.integrity import check_tree
 
+        for tier in range(PAGED_TIERS):  # (the offers an eviction would make first)
+            self._offer_moved(tier)
         check_tree(self)

@@ -297,6 +297,29 @@ def test_swa_data_pushed_out_of_the_window_by_a_deeper_insert_becomes_evictable(
     tree.check_integrity()
 
 
+def test_window_walks_owed_by_inserts_run_when_an_eviction_needs_them() -> None:
+    """Inserts only note the parents whose children changed; the SWA window walks run at
+    the next eviction (no integrity check in between: it would run them itself)."""
+    tree = make_tree(2, swa_window=4)
+    tree.insert("", seq(0, 4), {FULL: ids(0, 1), SWA: ids(0, 1)})
+    assert tree.evict(Tier.DEVICE, SWA, 1).evicted_pages == 0  # both pages in the window
+    tree.insert("", seq(0, 6), {FULL: ids(0, 1, 2), SWA: ids(0, 1, 2)})
+    assert tree.evict(Tier.DEVICE, SWA, 1).evicted_pages == 1  # page 0 left the window
+    tree.check_integrity()
+
+
+def test_window_walks_owed_stay_bounded_without_evictions() -> None:
+    from hicache.tree import core
+
+    tree = make_tree(2, swa_window=4)
+    tree.insert("", seq(0, 2), {FULL: ids(0), SWA: ids(0)})
+    for i in range(core._WINDOW_WALKS_AT + 10):  # children of one parent, never evicted
+        tree.insert("", seq(0, 2) + toks(10_000 + i, 10_000 + i), {FULL: ids(0, i + 1), SWA: ids(0, i + 1)})
+    assert 0 < len(tree._moved[Tier.DEVICE]) < core._WINDOW_WALKS_AT
+    tree.check_integrity()
+    assert not tree._moved[Tier.DEVICE]
+
+
 def test_a_long_prefill_keeps_its_swa_window_as_the_tail_of_one_node() -> None:
     """An engine frees SWA pages outside the window during a long prefill: the tree keeps
     the window as the tail of ONE node (not a tombstone node plus a window node), counts
