@@ -180,13 +180,16 @@ class HybridCacheController(CacheService):
 
     def match(self, engine_id: str, req: MatchRequest) -> MatchOutcome:
         self._check_tokens(req.tokens)
-        wants_handle = req.lock or req.allocate_tokens is not None or req.prefetch
+        wants_lock = req.lock or req.allocate_tokens is not None
+        # A prefetch without a lock holds the path only until the prefetch has started
+        # (its own pin then keeps what it continues): the caller gets no lock_id.
+        hold = wants_lock or req.prefetch
         if req.allocate_tokens is not None:
             self._check_count("allocate_tokens", req.allocate_tokens, 0)
         with self._mu:
-            if wants_handle:
+            if hold:
                 self._engines.renew(engine_id)
-            m = self.tree.match(req.namespace, req.tokens, lock=wants_handle,
+            m = self.tree.match(req.namespace, req.tokens, lock=hold,
                                 session_id=req.session_id or None)
             self.counters["lookups"] += 1
             self.counters["hit_tokens_device"] += m.device_tokens
@@ -200,7 +203,7 @@ class HybridCacheController(CacheService):
             beyond_l3 = self.l3 is not None and len(req.tokens) // self._pb * self._ps > known
             prev = self.tree.chain_prev(req.namespace, base) if beyond_l3 else b""
             lock_id = 0
-            if m.lock is not None:
+            if m.lock is not None and wants_lock:
                 lock_id = self._engines.add_lock(
                     LockRecord(engine_id, req.namespace, m.lock, req.session_id)
                 )
@@ -239,7 +242,7 @@ class HybridCacheController(CacheService):
                     in_l1 = m.device_tokens == self.tree.depth_tokens(base)
                     prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base,
                                                            beyond, to_l1=in_l1)
-                    if prefetch_id:
+                    if prefetch_id and lock_id:
                         self._prefetch_of_lock[lock_id] = prefetch_id
             except BaseException:
                 # The caller gets an error, never these handles: nothing may stay held (a
@@ -251,6 +254,9 @@ class HybridCacheController(CacheService):
                     with contextlib.suppress(NotFound):  # lease lapsed: released with it
                         self.release(engine_id, lock_id or None, alloc_id or None)
                 raise
+            finally:
+                if m.lock is not None and not wants_lock and m.lock.active:
+                    self.tree.unlock(m.lock)  # the prefetch-only hold
             device_pages = self._by_member(m.device_pages)
         return MatchOutcome(
             device_tokens=m.device_tokens,
@@ -296,7 +302,11 @@ class HybridCacheController(CacheService):
         if slot is not None and checkpoint is not None and len(checkpoint):
             self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
         record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
-        alloc_id = self._engines.add_allocation(record)
+        try:
+            alloc_id = self._engines.add_allocation(record)
+        except BaseException:  # the engine's lease lapsed meanwhile: nobody would free them
+            self._free_allocation(record)
+            raise
         return alloc_id, self._allocation_pages(record)
 
     def _allocation_pages(self, record: AllocationRecord) -> dict[str, np.ndarray]:
@@ -329,6 +339,10 @@ class HybridCacheController(CacheService):
     def _free_allocation(self, record: AllocationRecord) -> None:
         for kind, ids in record.pages.items():
             self.transfers.free_l1(kind, ids)
+        for kind, parts in record.retired.items():
+            for ids in parts:
+                self.transfers.free_l1(kind, ids)
+        record.retired.clear()
         if record.mamba_slot is not None:
             self.transfers.free_l1(MAMBA, np.array([record.mamba_slot], dtype=np.int64))
 
@@ -336,6 +350,10 @@ class HybridCacheController(CacheService):
 
     def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
         self._check_tokens(req.tokens)
+        if req.keep_lock and not req.lock_id:
+            # The lock carries where the request's device pages start; without one the
+            # next Insert could not tell which pages of the allocation it continues from.
+            raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
         with self._mu:
             self._engines.renew(engine_id)
             lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
@@ -368,12 +386,28 @@ class HybridCacheController(CacheService):
                 pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
             slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
             session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
-            result = self.tree.insert(
-                req.namespace, req.tokens, pages, lock=tree_lock, keep_lock=req.keep_lock,
-                mamba_slot=slot, session_id=session,
-            )
+            # A continuing request gets a private copy of the checkpoint it hands over
+            # (copy-on-write): its slot is taken first, so that no room for it fails the
+            # call before anything was committed.
+            fresh = (int(self.transfers.allocate_l1(MAMBA, 1)[0])
+                     if slot is not None and req.keep_lock else None)
+            try:
+                result = self.tree.insert(
+                    req.namespace, req.tokens, pages, lock=tree_lock, keep_lock=req.keep_lock,
+                    mamba_slot=slot, session_id=session,
+                )
+            except BaseException:
+                if fresh is not None:
+                    self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
+                raise
             for kind, ids in result.released.items():
-                self.transfers.free_l1(kind, ids)
+                if req.keep_lock and alloc is not None and kind in alloc.pages:
+                    # The request goes on reading these (its block table points at them):
+                    # they leave with the allocation (final Insert, Release, lapse).
+                    if len(ids):
+                        alloc.retired.setdefault(kind, []).append(ids)
+                else:
+                    self.transfers.free_l1(kind, ids)
             if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
                 for kind, ids in result.dropped.items():
                     self.transfers.free_l2(kind, ids)
@@ -382,13 +416,13 @@ class HybridCacheController(CacheService):
                 self._engines.pop_lock(engine_id, req.lock_id or 0)
                 self._request_moves_on(req.lock_id)
             if alloc is not None:
-                self._consume_allocation(engine_id, req, alloc, begin, need, slot)
+                self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
             if result.end is not None:
                 self.transfers.after_insert(result.end)
             return InsertOutcome(result.inserted_tokens, result.reused_tokens)
 
     def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
-                            begin: int, used: int, slot: int | None) -> None:
+                            begin: int, used: int, slot: int | None, fresh: int | None) -> None:
         """Pages the tree now owns (or handed back) leave the allocation; the rest stays
         for decode growth, or is freed by the final insert."""
         lo = max(0, begin - alloc.start_page)
@@ -402,8 +436,7 @@ class HybridCacheController(CacheService):
             # The tree owns (or freed) the checkpoint now; a continuing request gets a
             # private copy to go on writing (copy-on-write).
             alloc.mamba_slot = None
-            if req.keep_lock:
-                fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
+            if fresh is not None:
                 self.transfers.copy_l1_slot(MAMBA, slot, fresh)
                 alloc.mamba_slot = fresh
         if not req.keep_lock:

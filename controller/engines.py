@@ -35,6 +35,9 @@ class AllocationRecord:
     pages: dict[ComponentKind, np.ndarray]  # per-page components, in token order
     mamba_slot: int | None  # the request's working state (copy-on-write target)
     lock_id: int | None = None
+    # Pages a keep_lock Insert did not commit (the tree held those tokens already) that
+    # the running request still reads its KV from: freed with the allocation, not before.
+    retired: dict[ComponentKind, list[np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -88,9 +91,11 @@ class EngineRegistry:
     # locks ---------------------------------------------------------------------------
 
     def add_lock(self, record: LockRecord) -> int:
+        """Raises (and records nothing) when the engine is not attached."""
+        engine = self.engine(record.engine_id)
         lock_id = self.new_id()
         self._locks[lock_id] = record
-        self.engine(record.engine_id).locks.add(lock_id)
+        engine.locks.add(lock_id)
         return lock_id
 
     def lock(self, engine_id: str, lock_id: int) -> LockRecord:
@@ -108,9 +113,11 @@ class EngineRegistry:
     # allocations ---------------------------------------------------------------------
 
     def add_allocation(self, record: AllocationRecord) -> int:
+        """Raises (and records nothing) when the engine is not attached."""
+        engine = self.engine(record.engine_id)
         alloc_id = self.new_id()
         self._allocations[alloc_id] = record
-        self.engine(record.engine_id).allocations.add(alloc_id)
+        engine.allocations.add(alloc_id)
         return alloc_id
 
     def allocation(self, engine_id: str, alloc_id: int) -> AllocationRecord:

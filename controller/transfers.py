@@ -23,7 +23,7 @@ import numpy as np
 from hicache.arrays import any_of
 from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
-from hicache.errors import BackendUnavailable, InvalidArgument, ResourceExhausted
+from hicache.errors import BackendUnavailable, InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, Tier, WritePolicy
@@ -740,6 +740,9 @@ class Transfers:
             self.stats["loaded_pages"] += self.land_in_l1(op.moves)
             if abandoned:
                 return  # the copy is kept; the lock (maybe released by now) is not touched
+            if not lock.active:  # released (or its engine's lease lapsed) during the copy
+                raise NotFound("the lock was released while its load was copying (what "
+                               "arrived stays cached)")
             pages = self.tree.mark_loaded(lock)
             tokens = self.tree.depth_tokens(lock.end)
         yield LoadProgress(op.layers_total, op.layers_total, self.ctl._by_member(pages), tokens)
@@ -823,6 +826,7 @@ class Transfers:
                     for rec in engines._allocations.values():
                         if kind in rec.pages:
                             owned.append(rec.pages[kind])
+                        owned.extend(rec.retired.get(kind, []))
                         if kind is MAMBA and rec.mamba_slot is not None:
                             owned.append(np.array([rec.mamba_slot]))
                     owned.extend(self.ctl.prefetcher.reserved_l1(kind))

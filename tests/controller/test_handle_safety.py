@@ -1,0 +1,176 @@
+"""Handles an engine holds stay its own: pages a running request reads are never freed
+under it, a call that fails commits nothing, and no handle outlives a call that did not
+return it (found by a review of the daemon's bad-input paths)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from engine_sim import evict_all, seq
+
+from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
+from hicache.controller.engines import AllocationRecord, EngineRegistry
+from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hicache.types import ComponentKind, Tier
+
+FULL = ComponentKind.FULL
+
+
+def _allocated(ctl, ids: np.ndarray) -> bool:
+    return bool(ctl.device.allocator(FULL).is_allocated(ids).all())
+
+
+def test_keep_lock_insert_keeps_the_pages_a_running_request_reads(make) -> None:
+    """Two engines prefill the same prompt at once; A commits first. B's keep_lock Insert
+    finds the tokens in the tree, but B goes on decoding from its own pages: they stay
+    B's until its final Insert (they were freed at once, and handed to the next Allocate)."""
+    ctl = make(storage__backend="none")
+    for engine in ("a", "b"):
+        ctl.attach(engine, 0, 1)
+    prompt = seq(4)
+    ma = ctl.match("a", MatchRequest("", prompt, lock=True, allocate_tokens=32))
+    mb = ctl.match("b", MatchRequest("", prompt, lock=True, allocate_tokens=32))
+    b_pages = mb.pages["full"][:4].copy()
+    ctl.insert("a", InsertRequest("", prompt, lock_id=ma.lock_id, allocation_id=ma.allocation_id,
+                                  keep_lock=True))
+    out = ctl.insert("b", InsertRequest("", prompt, lock_id=mb.lock_id,
+                                        allocation_id=mb.allocation_id, keep_lock=True))
+    assert out.reused_tokens == 16
+    assert _allocated(ctl, b_pages)
+    ctl.check_integrity()  # owned by B's allocation, once
+    free = ctl.device.allocator(FULL).free_count
+    grab = ctl.allocate("a", AllocateRequest("", free * 4))  # everything free now
+    assert not set(grab.pages["full"].tolist()) & set(b_pages.tolist())
+    ctl.release("a", None, grab.allocation_id)
+    done = ctl.insert("b", InsertRequest("", prompt + seq(1, 500), lock_id=mb.lock_id,
+                                         allocation_id=mb.allocation_id))
+    assert done.reused_tokens == 16
+    assert not ctl.device.allocator(FULL).is_allocated(b_pages).any()  # freed with the request
+    ctl.insert("a", InsertRequest("", prompt, lock_id=ma.lock_id, allocation_id=ma.allocation_id))
+
+
+def test_a_released_keep_lock_allocation_frees_its_retired_pages(make) -> None:
+    ctl = make(storage__backend="none")
+    for engine in ("a", "b"):
+        ctl.attach(engine, 0, 1)
+    prompt = seq(3)
+    ma = ctl.match("a", MatchRequest("", prompt, lock=True, allocate_tokens=12))
+    mb = ctl.match("b", MatchRequest("", prompt, lock=True, allocate_tokens=12))
+    ctl.insert("a", InsertRequest("", prompt, lock_id=ma.lock_id, allocation_id=ma.allocation_id))
+    ctl.insert("b", InsertRequest("", prompt, lock_id=mb.lock_id, allocation_id=mb.allocation_id,
+                                  keep_lock=True))
+    ctl.release("b", mb.lock_id, mb.allocation_id)
+    assert not ctl.device.allocator(FULL).is_allocated(mb.pages["full"]).any()
+
+
+def test_keep_lock_without_the_lock_id_is_refused_before_anything_changes(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    a = ctl.allocate("e1", AllocateRequest("", 12))
+    with pytest.raises(InvalidArgument, match="keep_lock needs the lock_id"):
+        ctl.insert("e1", InsertRequest("", seq(2), allocation_id=a.allocation_id, keep_lock=True))
+    assert ctl.match("e1", MatchRequest("", seq(2))).device_tokens == 0
+    ctl.release("e1", None, a.allocation_id)
+
+
+def test_keep_lock_checkpoint_without_a_free_mamba_slot_fails_before_committing(make) -> None:
+    """The request's private copy of its checkpoint is taken before the tree commits: no
+    slot left means RESOURCE_EXHAUSTED with nothing inserted (it used to be reported after
+    the commit, with the write policy skipped)."""
+    ctl = make(hybrid=True, storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    prompt = seq(2, 1000)
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=12))
+    held = []
+    with pytest.raises(ResourceExhausted):
+        while True:  # other requests hold every MAMBA slot left
+            held.append(ctl.allocate("e1", AllocateRequest("", 4)).allocation_id)
+    with pytest.raises(ResourceExhausted, match="mamba"):
+        ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                       keep_lock=True, mamba_checkpoint=True))
+    assert ctl.match("e1", MatchRequest("", prompt)).device_tokens == 0
+    for allocation in held:
+        ctl.release("e1", None, allocation)
+    out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                         keep_lock=True, mamba_checkpoint=True))
+    assert out.inserted_tokens == 8
+    ctl.release("e1", m.lock_id, m.allocation_id)
+
+
+def test_a_prefetch_without_a_lock_returns_no_lock_and_holds_none(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    m = ctl.match("e1", MatchRequest("", seq(3), prefetch=True))
+    assert m.lock_id == 0 and m.prefetch_id == 0
+    assert ctl.tree.active_locks == 0
+    assert ctl.heartbeat("e1").locks == 0
+
+
+def test_a_prefetch_without_a_lock_still_starts_and_lands(make) -> None:
+    ctl = make(write__l2_to_l3="write_through")
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    p = ctl.match("e1", MatchRequest("", tokens, prefetch=True))
+    assert p.lock_id == 0 and p.prefetch_id and p.storage_tokens == 16
+    deadline = time.monotonic() + 10
+    while ctl.prefetch_status(p.prefetch_id).state.name == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ctl.prefetch_status(p.prefetch_id).state.name == "DONE"
+    again = ctl.match("e1", MatchRequest("", tokens))
+    assert again.device_tokens + again.host_tokens == 16
+    assert ctl.tree.active_locks == 0
+
+
+def test_handles_are_not_recorded_for_an_engine_that_is_gone() -> None:
+    """A lease that lapses while a MatchPrefix waits on L3 (outside the mutex): the
+    allocation it then makes is refused and recorded nowhere (it was left orphaned)."""
+    registry = EngineRegistry(lease_s=30)
+    record = AllocationRecord("gone", "", 0, {FULL: np.arange(2)}, None)
+    with pytest.raises(FailedPrecondition):
+        registry.add_allocation(record)
+    assert not registry._allocations
+
+
+def test_a_load_whose_lock_is_released_while_copying_answers_not_found(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert m.host_tokens == 16
+    copier = ctl.transfers.copier
+    started, go = threading.Event(), threading.Event()
+    original = copier.host_to_device
+
+    def held(*args, **kwargs):
+        started.set()
+        go.wait(10)
+        return original(*args, **kwargs)
+
+    copier.host_to_device = held
+    out: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            out["progress"] = list(ctl.load("e1", m.lock_id))
+        except Exception as e:
+            out["error"] = e
+
+    t = threading.Thread(target=load)
+    t.start()
+    assert started.wait(10)
+    ctl.release("e1", m.lock_id, None)
+    go.set()
+    t.join(10)
+    copier.host_to_device = original
+    assert isinstance(out.get("error"), NotFound), out
