@@ -21,14 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache.controller.base import PrefetchInfo, PrefetchState
 from hicache.controller.transfers import L1Move
 from hicache.controller.workers import Job, Worker
-from hicache.errors import BackendUnavailable, ResourceExhausted
+from hicache.errors import BackendTimedOut, BackendUnavailable, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import TreeLock
 from hicache.types import ComponentKind, PrefetchPolicy, Tier
@@ -253,9 +253,32 @@ class Prefetcher:
                     done += max(0, got)
                     break
                 done += got
-        except BackendUnavailable:
+        except BackendUnavailable as e:
             outcome = PrefetchState.FAILED
+            if isinstance(e, BackendTimedOut) and e.pending:
+                self._hold_until_returned(op, e.pending)
         self._finish(op, outcome)
+
+    def _hold_until_returned(self, op: PrefetchOp, pending: list[Any]) -> None:
+        """A read given up on runs on and may still write into the op's host pages: they
+        stay held (freeing parks them) until every `pending` call has returned; L2 pages
+        carry no checksum, so pages reused before would serve that late write."""
+        transfers = self.ctl.transfers
+        with self.ctl._mu:
+            held = {kind: ids[ids >= 0].copy() for kind, ids in op.host.items()}
+            for kind, ids in held.items():
+                transfers._hold_l2(kind, ids)
+        left = [len(pending)]
+
+        def returned(_future: object) -> None:
+            with self.ctl._mu:
+                left[0] -= 1
+                if left[0] == 0:
+                    for kind, ids in held.items():
+                        transfers._unhold_l2(kind, ids)
+
+        for future in pending:
+            future.add_done_callback(returned)
 
     def _commit(self, op: PrefetchOp, lo: int, hi: int, with_checkpoint: bool) -> list[L1Move]:
         """Pages [lo, hi) arrived: make them host-resident in the tree, then visible.

@@ -6,6 +6,9 @@ Each carries a message that says what was wrong, in terms the caller can act on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class HicacheError(Exception):
     """Base class of every error hicache raises on purpose."""
@@ -57,6 +60,16 @@ class Unavailable(HicacheError):
 
 class BackendUnavailable(Unavailable):
     """An L3 backend did not answer (connection refused, timeout, disk full, permission)."""
+
+
+class BackendTimedOut(BackendUnavailable):
+    """A bounded L3 call was given up on while it still runs: `pending` holds the futures
+    (`concurrent.futures.Future`) that complete when it returns. Until then it may still
+    write into the buffers it was given, so those must not be reused."""
+
+    def __init__(self, message: str, pending: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.pending = list(pending)
 
 
 class DeadlineExceeded(HicacheError):

@@ -174,3 +174,48 @@ def test_a_load_whose_lock_is_released_while_copying_answers_not_found(make) -> 
     t.join(10)
     copier.host_to_device = original
     assert isinstance(out.get("error"), NotFound), out
+
+
+def test_a_timed_out_l3_read_keeps_its_l2_pages_until_it_returns(make, monkeypatch) -> None:
+    """A prefetch's read given up on (a hung mount) runs on in the backend's thread and
+    writes its objects later: the op's L2 pages stay held until then, so nothing reuses
+    them meanwhile (they went to another prompt's write-through, whose later load then
+    served the late read's bytes)."""
+    import os
+
+    from engine_sim import Engine, wait_prefetch
+
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through",
+               storage__timeout_s=0.5)
+    eng = Engine(ctl)
+    a, b = seq(8, base=0), seq(8, base=50_000)
+    eng.request(a)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)  # A only in L3 now
+    gate, reached = threading.Event(), threading.Event()
+    real_readv = os.readv
+
+    def hung_readv(fd, buffers):
+        if threading.current_thread().name.startswith("l3-file") and not gate.is_set():
+            reached.set()
+            gate.wait(30)
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "readv", hung_readv)
+    m = ctl.match("e1", MatchRequest("", a, lock=True, prefetch=True))
+    reserved = set(ctl.prefetcher.get(m.prefetch_id).host[FULL].tolist())
+    assert wait_prefetch(ctl, m.prefetch_id).name == "FAILED" and reached.is_set()
+    ctl.release("e1", m.lock_id, None)
+    eng.request(b)  # write-through: B takes L2 pages
+    assert ctl.transfers.drain(10)
+    with ctl._mu:
+        path = ctl.tree.match("", b).path
+        b_host = {int(i) for n in path for i in ctl.tree.pages_of(n, FULL, Tier.HOST)}
+    assert not b_host & reserved
+    gate.set()  # the stuck read returns and writes now
+    deadline = time.monotonic() + 10
+    while ctl.l3.backend.stats().stuck_calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    evict_all(ctl, Tier.DEVICE)
+    eng.request(b)  # B loaded back from L2: every byte checked
+    ctl.check_integrity()

@@ -1,10 +1,11 @@
 """Bounded calls into client libraries that have no timeout of their own.
 
 `BoundedCaller.call(fn, ...)` runs `fn` on a small worker pool and waits at most
-`timeout_s`. A call that does not answer in time raises `BackendUnavailable`; its thread runs
-on (a C call cannot be interrupted), is counted in `stuck`, and while any call is stuck every
-new call fails fast instead of piling more threads onto a dead service. When the stuck call
-finally returns, calls go through again.
+`timeout_s`. A call that does not answer in time raises `BackendTimedOut` (a
+`BackendUnavailable` carrying the call's future, for callers whose buffers it may still
+write); its thread runs on (a C call cannot be interrupted), is counted in `stuck`, and
+while any call is stuck every new call fails fast instead of piling more threads onto a
+dead service. When the stuck call finally returns, calls go through again.
 
 Measured here: with the Mooncake master killed, client calls block 4-13 s before failing,
 and `setup()` against a missing master blocks ~90 s; all of them release the GIL.
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
-from hicache.errors import BackendUnavailable
+from hicache.errors import BackendTimedOut, BackendUnavailable
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -103,8 +104,8 @@ class BoundedCaller:
             raise BackendUnavailable(f"{self.name}: closed") from None
         except cf.TimeoutError:
             self._stick([future])
-            raise BackendUnavailable(
-                f"{self.name}: no answer within {timeout:g} s (storage.timeout_s)"
+            raise BackendTimedOut(
+                f"{self.name}: no answer within {timeout:g} s (storage.timeout_s)", [future]
             ) from None
 
     def map(self, fn: Callable[..., _R], arg_tuples: Sequence[tuple[Any, ...]]) -> list[_R]:
@@ -118,8 +119,8 @@ class BoundedCaller:
         _, late = cf.wait(futures, timeout=self.timeout_s)
         if late:
             self._stick(list(late))
-            raise BackendUnavailable(
-                f"{self.name}: no answer within {self.timeout_s:g} s (storage.timeout_s)"
+            raise BackendTimedOut(
+                f"{self.name}: no answer within {self.timeout_s:g} s (storage.timeout_s)", list(late)
             )
         return [future.result() for future in futures]
 
