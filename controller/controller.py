@@ -210,15 +210,24 @@ class HybridCacheController(CacheService):
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
         if beyond_l3:
-            beyond = chain_hashes(prev, req.tokens[known * 4 :], self._pb)
-            run = self.prefetcher.l3_run(req.namespace, beyond)
+            try:
+                beyond = chain_hashes(prev, req.tokens[known * 4 :], self._pb)
+                run = self.prefetcher.l3_run(req.namespace, beyond)
+                fetch = run
+                budget = self.prefetcher.budget_left()
+                if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:
+                    # Over the prefetch budget: stop at the deepest boundary a hybrid model
+                    # can reuse (an earlier checkpoint), not at a page it could not use.
+                    fetch = self.prefetcher.l3_run(req.namespace, beyond, limit=budget)
+            except BaseException:  # (a backend's unexpected error): the caller gets no lock
+                with self._mu:
+                    if lock_id:
+                        with contextlib.suppress(NotFound):
+                            self.release(engine_id, lock_id, None)
+                    elif m.lock is not None and m.lock.active:
+                        self.tree.unlock(m.lock)
+                raise
             storage_tokens += run * self._ps
-            fetch = run
-            budget = self.prefetcher.budget_left()
-            if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:
-                # Over the prefetch budget: stop at the deepest boundary a hybrid model can
-                # reuse (an earlier checkpoint), not at a page it could not use at all.
-                fetch = self.prefetcher.l3_run(req.namespace, beyond, limit=budget)
             beyond = beyond[: fetch * PAGE_HASH_BYTES]
         prefetch_id = 0
         alloc_id = 0

@@ -57,7 +57,7 @@ class L3Store:
     def present_run(self, namespace: str, hashes: Sequence[bytes],
                     members: Sequence[MemberSpec]) -> int:
         """Leading pages whose whole family is in L3 (0 while the breaker is open)."""
-        if not hashes:
+        if not hashes or self.breaker.is_open:  # (nothing L3 serves now: no prefetch either)
             return 0
         keys = self.keys(namespace, hashes, members)
         known, stop = self.cache.known_run(keys)

@@ -16,6 +16,7 @@ import enum
 import functools
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from hicache.types import (
 GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
+
+_MEMBER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 # --------------------------------------------------------------------------- model
@@ -128,6 +131,11 @@ class ModelConfig:
                 _zero(comp.window_tokens, f"{cpath}.window_tokens", kind.value)
         for name, side in self.sidecars.items():
             spath = f"{path}.sidecars.{name}"
+            if not _MEMBER_NAME.fullmatch(name):
+                # (names a shared-memory segment and every L3 key of the member)
+                raise ConfigError(
+                    f"{path}.sidecars: name {name!r} must be 1-32 ASCII letters, digits, '_' or '-'"
+                )
             if name in {k.value for k in ComponentKind}:
                 raise ConfigError(f"{spath}: a sidecar may not take a component's name ({name!r})")
             if side.anchor not in self.components:

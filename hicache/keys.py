@@ -64,7 +64,9 @@ def namespace_tag(namespace: str) -> str:
 def key_prefix(namespace: str, model_id: str) -> str:
     """The part of every L3 key that depends on the namespace and model only (cached: a
     request's keys differ only in their page hash and member)."""
-    model = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)[:48]
+    # ASCII only (every backend takes ASCII keys); the model id also seeds every page
+    # hash, so two ids that read alike here still never share a page.
+    model = "".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in model_id)[:48]
     return f"hc{LAYOUT_VERSION}/{namespace_tag(namespace)}/{model}/"
 
 

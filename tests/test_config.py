@@ -186,3 +186,10 @@ def test_prefetch_timeout_formula() -> None:
     assert p.timeout_for(0) == 2.0
     assert p.timeout_for(10240) == pytest.approx(3.0)
     assert p.timeout_for(10_000_000) == 30.0
+
+
+@pytest.mark.parametrize("name", ["a/b", "", "индекс", "x" * 33])
+def test_a_sidecar_name_must_fit_segment_names_and_keys(name: str) -> None:
+    raw = {"model": {"sidecars": {name: {"anchor": "full", "layers": 1, "bytes_per_token_per_layer": 2}}}}
+    with pytest.raises(ConfigError, match=r"model\.sidecars: name .* must be 1-32 ASCII"):
+        build_config(raw)

@@ -59,3 +59,12 @@ def test_chain_hash_format_is_sha256_of_previous_hash_and_page() -> None:
     assert chain_hashes(chain_seed("ns", "model", "bfloat16"), tokens, 256) == b"".join(want)
     # A partial last page is not hashed.
     assert chain_hashes(want[0], tokens[256:] + b"\x00" * 7, 256) == b"".join(want[1:])
+
+
+def test_a_non_ascii_model_id_still_gives_ascii_keys_and_distinct_chains() -> None:
+    """Every backend takes ASCII keys only (a Unicode model id made every L3 call fail);
+    ids that read alike in the key still seed different page hashes."""
+    seed = bytes(PAGE_HASH_BYTES)
+    key = storage_key("", "модель-7b", seed, "full")
+    assert key.isascii()
+    assert chain_seed("", "модель-7b", "bf16") != chain_seed("", "модуль-7b", "bf16")

@@ -219,3 +219,44 @@ def test_a_timed_out_l3_read_keeps_its_l2_pages_until_it_returns(make, monkeypat
     evict_all(ctl, Tier.DEVICE)
     eng.request(b)  # B loaded back from L2: every byte checked
     ctl.check_integrity()
+
+
+def test_an_unexpected_error_of_the_l3_lookup_leaves_no_lock(make, monkeypatch) -> None:
+    ctl = make()
+    ctl.attach("e1", 0, 1)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a backend bug")
+
+    monkeypatch.setattr(ctl.prefetcher, "l3_run", broken)
+    with pytest.raises(RuntimeError):
+        ctl.match("e1", MatchRequest("", seq(4), lock=True))
+    with pytest.raises(RuntimeError):
+        ctl.match("e1", MatchRequest("", seq(4), prefetch=True))
+    assert ctl.tree.active_locks == 0 and ctl.heartbeat("e1").locks == 0
+
+
+def test_an_open_breaker_reports_nothing_in_l3_and_starts_no_prefetch(make) -> None:
+    ctl = make(write__l2_to_l3="write_through")
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    assert ctl.match("e1", MatchRequest("", tokens)).storage_tokens == 16  # known present
+    ctl.probe_interval_s = 3600  # (the prober would close it again)
+    for _ in range(10):
+        ctl.l3.breaker.failure()
+    assert ctl.l3.breaker.is_open
+    p = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert (p.storage_tokens, p.prefetch_id) == (0, 0)
+    ctl.release("e1", p.lock_id, None)
+
+
+def test_a_store_that_refuses_objects_gives_the_backup_up_at_once() -> None:
+    from hicache.controller.transfers import StoreRefused
+    from hicache.controller.workers import NoRetry
+    from hicache.errors import BackendUnavailable
+
+    assert issubclass(StoreRefused, NoRetry) and issubclass(StoreRefused, BackendUnavailable)

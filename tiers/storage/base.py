@@ -266,7 +266,13 @@ class StorageBackend(abc.ABC):
             unique_keys = [keys[i] for i in unique]
             results = self._store_objects(unique_keys, [buffers[i] for i in unique])
         by_index = dict(zip(unique, results, strict=True))
-        out = [by_index.get(i, PutStatus.PRESENT) for i in range(len(keys))]
+        # A repeated key is PRESENT once its first copy is in the store, and shares that
+        # copy's FAILED otherwise.
+        out = [
+            by_index.get(i, PutStatus.FAILED if by_index[first[key]] is PutStatus.FAILED
+                          else PutStatus.PRESENT)
+            for i, key in enumerate(keys)
+        ]
         with self._counter_lock:
             c = self._counters
             c.puts += len(keys)

@@ -45,3 +45,27 @@ def test_a_user_without_info_starts_and_reports_healthy(redis_server: RedisServe
     finally:
         backend.close()
         admin.acl_deluser("hicache-limited")
+
+
+def test_a_full_store_refuses_a_repeated_key_as_failed_not_present(redis_server: RedisServer) -> None:
+    """Redis at maxmemory with noeviction refuses the put: every copy of a key repeated in
+    the batch is FAILED (the later ones were reported PRESENT, with nothing stored)."""
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.config_set("maxmemory", "1mb")
+    admin.config_set("maxmemory-policy", "noeviction")
+    backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=redis_server.url))
+    try:
+        i = 0
+        while True:  # fill the store up
+            try:
+                admin.set(f"filler{i}", b"x" * 65536)
+                i += 1
+            except redis.exceptions.ResponseError:
+                break
+        (k,) = keys(1)
+        assert backend.put_from([k, k], Pool(2).slots()) == [PutStatus.FAILED, PutStatus.FAILED]
+        assert backend.exists_prefix([k]) == 0
+    finally:
+        admin.flushall()
+        admin.config_set("maxmemory", "0")
+        backend.close()
