@@ -78,11 +78,17 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
+def _serve_overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set)
     if args.listen:
-        overrides.append(f"server.listen={args.listen}")
-    cfg = load_config(args.config, overrides)
+        # As a quoted YAML string: an address is taken literally ('[::1]:50051' is a
+        # YAML list, ' #' starts a comment).
+        overrides.append(f"server.listen={json.dumps(args.listen)}")
+    return overrides
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, _serve_overrides(args))
     from hicache.server import serve
 
     return serve(cfg)

@@ -365,6 +365,9 @@ class TokenConfig:
     def _validate(self, path: str) -> None:
         if len(self.token) < 16:
             raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
+        if self.token != self.token.strip() or not self.token.isascii() or not self.token.isprintable():
+            # (a presented token is stripped: one with spaces around could never match)
+            raise ConfigError(f"{path}.token: printable ASCII without surrounding spaces (value hidden)")
         if not self.namespaces:
             raise ConfigError(f"{path}.namespaces: list at least one namespace (or '*')")
 
@@ -401,6 +404,11 @@ class ServerConfig:
             raise ConfigError(f"{path}.socket_mode: {self.socket_mode!r} is out of range")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(f"{path}.tls_cert/tls_key: give both or neither")
+        seen: set[str] = set()
+        for i, entry in enumerate(self.tokens):
+            if entry.token in seen:  # (the last entry would win: a silent widening)
+                raise ConfigError(f"{path}.tokens[{i}].token: the same token is listed twice (value hidden)")
+            seen.add(entry.token)
         _positive(self.lease_ms, f"{path}.lease_ms")
         if self.lease_ms > MAX_LEASE_MS:
             raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is over {MAX_LEASE_MS} "
@@ -564,13 +572,18 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     """Fill Mooncake settings from the standard environment variables; YAML wins."""
-    section = raw.setdefault("storage", {}).setdefault("mooncake", {}) if any(
-        v in env for v in MOONCAKE_ENV.values()
-    ) else None
-    if section is None:
+    if not any(v in env for v in MOONCAKE_ENV.values()):
         return
+    storage = raw.get("storage")
+    if storage is None:  # (an empty `storage:` means the defaults)
+        storage = raw["storage"] = {}
+    if not isinstance(storage, dict):
+        raise ConfigError(f"storage: expected a mapping, got {storage!r}")
+    section = storage.get("mooncake")
+    if section is None:
+        section = storage["mooncake"] = {}
     if not isinstance(section, dict):
-        raise ConfigError("storage.mooncake: must be a mapping")
+        raise ConfigError(f"storage.mooncake: expected a mapping, got {section!r}")
     for key, var in MOONCAKE_ENV.items():
         if var in env and section.get(key) in (None, ""):
             value: Any = env[var]

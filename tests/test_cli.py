@@ -80,3 +80,15 @@ def test_a_malformed_target_is_a_usage_error_not_an_unhealthy_daemon(
         main([command, "--target", target])
     assert exit_info.value.code == 2
     assert "--target" in capsys.readouterr().err
+
+
+def test_serve_listen_is_taken_literally() -> None:
+    """`--listen` is an address, not YAML: an IPv6 literal and a '#' survive."""
+    import argparse
+
+    from hicache.cli import _serve_overrides
+    from hicache.config import load_config
+
+    for address in ("[::1]:50199", "unix:///tmp/my #1.sock"):
+        args = argparse.Namespace(set=[], listen=address)
+        assert load_config(None, _serve_overrides(args)).server.listen == address

@@ -193,3 +193,23 @@ def test_a_sidecar_name_must_fit_segment_names_and_keys(name: str) -> None:
     raw = {"model": {"sidecars": {name: {"anchor": "full", "layers": 1, "bytes_per_token_per_layer": 2}}}}
     with pytest.raises(ConfigError, match=r"model\.sidecars: name .* must be 1-32 ASCII"):
         build_config(raw)
+
+
+def test_mooncake_environment_fills_an_empty_storage_section() -> None:
+    from hicache.config import apply_env
+
+    for raw in ({"storage": None}, {"storage": {"backend": "mooncake", "mooncake": None}}):
+        apply_env(raw, {"MOONCAKE_MASTER": "10.0.0.1:50051"})
+        assert raw["storage"]["mooncake"]["master"] == "10.0.0.1:50051"
+    with pytest.raises(ConfigError, match="storage: expected a mapping"):
+        apply_env({"storage": 5}, {"MOONCAKE_MASTER": "10.0.0.1:50051"})
+
+
+def test_a_token_listed_twice_or_with_spaces_is_refused() -> None:
+    twice = {"server": {"tokens": [{"token": "t" * 20, "namespaces": ["a"]},
+                                   {"token": "t" * 20, "namespaces": ["*"]}]}}
+    with pytest.raises(ConfigError, match=r"server\.tokens\[1\]\.token: the same token is listed twice"):
+        build_config(twice)
+    spaced = {"server": {"tokens": [{"token": " " + "t" * 20, "namespaces": ["a"]}]}}
+    with pytest.raises(ConfigError, match="printable ASCII without surrounding spaces"):
+        build_config(spaced)

@@ -543,4 +543,9 @@ def test_dockerfile_copies_every_package_source() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     package_dirs = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert package_dirs | {"pyproject.toml", pyproject["project"]["readme"]} <= copied
+    # hicache/hicache.yaml (the embedded defaults) links to the root file: COPY keeps the
+    # link, so the target must be copied too or the wheel ships without it.
+    link = ROOT / "hicache" / "hicache.yaml"
+    if link.is_symlink():
+        assert link.resolve().relative_to(ROOT.resolve()).parts[0] in copied
 
