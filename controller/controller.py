@@ -90,8 +90,9 @@ class HybridCacheController(CacheService):
             self._prober.start()
 
     def _probe_loop(self) -> None:
-        """While the breaker is open, ask the backend every `probe_interval_s`; a healthy
-        answer closes the breaker and backups resume. Otherwise ask every
+        """While the breaker is open, ask the backend every `probe_interval_s` (with a
+        canary write when it had refused writes); a healthy answer closes the breaker and
+        backups resume. Otherwise ask every
         `HEALTH_PROBE_S`: an idle daemon makes no L3 calls, and readiness must still see
         a required backend go down."""
         assert self.l3 is not None
@@ -101,7 +102,8 @@ class HybridCacheController(CacheService):
             if self.l3.breaker.is_open or due:
                 last = time.monotonic()
                 try:
-                    self.l3.probe(deep=False)
+                    # (a store that refused writes proves it takes them again by a canary)
+                    self.l3.probe(deep=self.l3.refusing)
                 except Exception:
                     log.exception("L3 probe failed")
 

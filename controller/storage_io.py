@@ -42,6 +42,9 @@ class L3Store:
         self.breaker = breaker or CircuitBreaker()
         self.cache = cache or ExistenceCache()
         self.errors = 0
+        # The last put the store answered refused objects: only a canary write (a deep
+        # probe) then tells that it takes writes again; a ping would close the breaker.
+        self.refusing = False
         self.last_health: BackendHealth | None = None
         self.latency = L3OpRecorder(backend.name)
 
@@ -123,7 +126,17 @@ class L3Store:
         except BackendUnavailable as e:
             self._failed(e)
             raise
-        self.breaker.success()
+        if op is L3Op.PUT and PutStatus.FAILED in statuses:
+            # The store answered but refused objects (full, no eviction; a restarted
+            # master not ready yet): a failure for the breaker, so that a store refusing
+            # every write opens it and queued backups stop retrying, until the prober's
+            # canary write goes through again.
+            self.refusing = True
+            self.breaker.failure()
+        else:
+            if op is L3Op.PUT:
+                self.refusing = False
+            self.breaker.success()
         return keys, statuses
 
     def probe(self, deep: bool = False) -> BackendHealth:
@@ -135,6 +148,8 @@ class L3Store:
                             time.perf_counter() - t0)
         self.last_health = health
         if health.healthy:
+            if deep:
+                self.refusing = False
             self.breaker.success()
         else:
             self.breaker.failure()

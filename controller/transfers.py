@@ -22,7 +22,7 @@ import numpy as np
 
 from hicache.arrays import any_of
 from hicache.controller.base import LoadProgress
-from hicache.controller.workers import Job, NoRetry, Worker
+from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
@@ -34,11 +34,6 @@ if TYPE_CHECKING:
     from hicache.tiers.base import CopyEngine, LayerCallback
 
 log = logging.getLogger("hicache.controller")
-
-
-class StoreRefused(BackendUnavailable, NoRetry):
-    """The L3 store answered but refused some objects (e.g. full, no eviction): retrying
-    at once cannot help, and each retry would hold the job's L2 pages for seconds."""
 
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
@@ -640,8 +635,8 @@ class Transfers:
             # A MAMBA checkpoint is at the node's end; an SWA slot may be its node's tail.
             targets = page_hashes[len(page_hashes) - len(ids) :]
             stored = l3.write(namespace, targets, members, ids)
-            if stored < len(targets):  # the store answered and refused (full): no retry
-                raise StoreRefused(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
+            if stored < len(targets):  # retried; refusals count against the breaker
+                raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
 
     # ------------------------------------------------------------------ load
 

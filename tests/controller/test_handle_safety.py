@@ -254,9 +254,25 @@ def test_an_open_breaker_reports_nothing_in_l3_and_starts_no_prefetch(make) -> N
     ctl.release("e1", p.lock_id, None)
 
 
-def test_a_store_that_refuses_objects_gives_the_backup_up_at_once() -> None:
-    from hicache.controller.transfers import StoreRefused
-    from hicache.controller.workers import NoRetry
-    from hicache.errors import BackendUnavailable
+def test_a_store_refusing_every_write_opens_the_breaker(make) -> None:
+    """Puts the store answers but refuses count as breaker failures: a store that refuses
+    everything (full, no eviction) opens it, so queued backups stop retrying (each held
+    its L2 pages ~6 s) until the prober's canary write succeeds again."""
+    from hicache.tiers.storage.base import PutStatus
 
-    assert issubclass(StoreRefused, NoRetry) and issubclass(StoreRefused, BackendUnavailable)
+    ctl = make(write__l2_to_l3="write_through")
+    ctl.probe_interval_s = 3600
+    backend = ctl.l3.backend
+    refusing = lambda keys, buffers: [PutStatus.FAILED] * len(keys)  # noqa: E731
+    original = backend.put_from
+    backend.put_from = refusing
+    try:
+        eng_tokens = [seq(4, 1000 * i) for i in range(4)]
+        ctl.attach("e1", 0, 1)
+        for tokens in eng_tokens:
+            m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+            ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+        assert ctl.transfers.drain(15)
+        assert ctl.l3.breaker.is_open
+    finally:
+        backend.put_from = original
