@@ -230,11 +230,14 @@ class CacheService(abc.ABC):
         lock; ResourceExhausted (and nothing changed) when L1 has no room."""
 
     @abc.abstractmethod
-    def prefetch_status(self, prefetch_id: int) -> PrefetchInfo: ...
+    def prefetch_status(self, prefetch_id: int, engine_id: str | None = None) -> PrefetchInfo:
+        """NotFound for an unknown prefetch or, given `engine_id`, one another engine
+        started."""
 
     @abc.abstractmethod
-    def cancel_prefetch(self, prefetch_id: int) -> int:
-        """Stop a prefetch; returns tokens_ready. What arrived stays usable."""
+    def cancel_prefetch(self, prefetch_id: int, engine_id: str | None = None) -> int:
+        """Stop a prefetch (`engine_id` as for `prefetch_status`); returns tokens_ready.
+        What arrived stays usable."""
 
     @abc.abstractmethod
     def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo: ...

@@ -252,7 +252,7 @@ class HybridCacheController(CacheService):
                         and (base is None or self.tree.is_live(base))):
                     in_l1 = m.device_tokens == self.tree.depth_tokens(base)
                     prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base,
-                                                           beyond, to_l1=in_l1)
+                                                           beyond, to_l1=in_l1, owner=engine_id)
                     if prefetch_id and lock_id:
                         self._prefetch_of_lock[lock_id] = prefetch_id
             except BaseException:
@@ -515,12 +515,12 @@ class HybridCacheController(CacheService):
 
     # ------------------------------------------------------------------ prefetch
 
-    def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
-        op = self._prefetch_op(prefetch_id)
+    def prefetch_status(self, prefetch_id: int, engine_id: str | None = None) -> PrefetchInfo:
+        op = self._prefetch_op(prefetch_id, engine_id)
         return op.info()
 
-    def cancel_prefetch(self, prefetch_id: int) -> int:
-        op = self._prefetch_op(prefetch_id)
+    def cancel_prefetch(self, prefetch_id: int, engine_id: str | None = None) -> int:
+        op = self._prefetch_op(prefetch_id, engine_id)
         op.cancel()
         return op.info().tokens_ready
 
@@ -533,9 +533,11 @@ class HybridCacheController(CacheService):
             if op is not None:
                 op.cancel()
 
-    def _prefetch_op(self, prefetch_id: int) -> PrefetchOp:
+    def _prefetch_op(self, prefetch_id: int, engine_id: str | None) -> PrefetchOp:
+        """The op, if `engine_id` (None: any caller in this process) started it; another
+        engine (another tenant's, with tokens) learns nothing about it."""
         op = self.prefetcher.get(prefetch_id)
-        if op is None:
+        if op is None or (engine_id is not None and op.owner != engine_id):
             raise NotFound(f"prefetch {prefetch_id} is unknown or expired")
         return op
 

@@ -15,8 +15,8 @@ finishes (and releases its pin) only after those copies landed.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -64,6 +64,7 @@ class PrefetchOp:
     # A batch that did not land whole in L1: later batches must not land below the gap
     # (L1 holds a prefix), so they are freed instead (mutex).
     l1_broken: bool = False
+    owner: str = ""  # the engine whose match started it (the one that may ask about it)
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -92,7 +93,9 @@ class Prefetcher:
         # Notified (mutex held) whenever a copy to L1 lands or is given up.
         self.l1_landed = threading.Condition(ctl._mu)
         self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
-        self._ids = itertools.count(1)
+        # Prefetch ids are the only handles not checked against their engine (any engine
+        # of the model may poll one): random, so that one tenant cannot guess another's.
+        self._rng = random.SystemRandom()
         self._keep = keep_finished
         self._reserved_pages = 0
         self.running = 0  # ops started and not finished (caller holds the mutex to read)
@@ -156,8 +159,14 @@ class Prefetcher:
                 return b
         return 0
 
+    def _new_id(self) -> int:
+        while True:
+            op_id = self._rng.getrandbits(63)
+            if op_id and op_id not in self._ops:
+                return op_id
+
     def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes,
-                 to_l1: bool = False) -> int:
+                 to_l1: bool = False, owner: str = "") -> int:
         """Reserve host pages and queue the reads (caller holds the mutex); `to_l1`: the
         path down to `tail` is in L1, so arriving batches may follow it there. Returns 0
         when nothing could be reserved."""
@@ -182,7 +191,7 @@ class Prefetcher:
         if policy is PrefetchPolicy.TIMEOUT:
             deadline = time.monotonic() + cfg.prefetch.timeout_for(n * ps)
         op = PrefetchOp(
-            op_id=next(self._ids),
+            op_id=self._new_id(),
             namespace=namespace,
             tokens=tokens[: (start_page + n) * ps * 4],
             start_page=start_page,
@@ -191,6 +200,7 @@ class Prefetcher:
             deadline=deadline,
             page_size=ps,
             to_l1=to_l1,
+            owner=owner,
         )
         op.pin = self.tree.pin(tail) if tail is not None else None
         self._reserved_pages += n

@@ -13,6 +13,7 @@ after `Attach`); Attach and Heartbeat carry it in the request instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -92,6 +93,16 @@ def scoped_engine(engine_id: str) -> str:
     return f"{principal.label}/{engine_id}"
 
 
+def scoped_session(session_id: str) -> str:
+    """A session id as the core knows it: with bearer tokens, prefixed by the token's label
+    (like `scoped_engine`), so that two tenants using the same id never share a session
+    and one cannot close another's."""
+    principal = current_principal()
+    if principal is ANONYMOUS or not session_id:
+        return session_id
+    return f"{principal.label}/{session_id}"
+
+
 class HiCacheServicer(pb_grpc.HiCacheServicer):
     """The engine-facing service over one `CacheService`."""
 
@@ -125,13 +136,15 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _match(self, engine: str, r: pb.MatchPrefixRequest,
                out: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:
         req = convert.match_request_from_pb(r, self._limit)
+        if req.session_id and current_principal() is not ANONYMOUS:
+            req = dataclasses.replace(req, session_id=scoped_session(req.session_id))
         return convert.match_to_pb(self._core.match(engine, req), out)
 
-    def _prefetch_status(self, _e: str, r: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
-        return convert.prefetch_to_pb(self._core.prefetch_status(r.prefetch_id))
+    def _prefetch_status(self, engine: str, r: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
+        return convert.prefetch_to_pb(self._core.prefetch_status(r.prefetch_id, engine))
 
-    def _cancel_prefetch(self, _e: str, r: pb.CancelPrefetchRequest) -> pb.CancelPrefetchResponse:
-        return pb.CancelPrefetchResponse(tokens_ready=self._core.cancel_prefetch(r.prefetch_id))
+    def _cancel_prefetch(self, engine: str, r: pb.CancelPrefetchRequest) -> pb.CancelPrefetchResponse:
+        return pb.CancelPrefetchResponse(tokens_ready=self._core.cancel_prefetch(r.prefetch_id, engine))
 
     def _allocate(self, engine: str, r: pb.AllocateRequest) -> pb.AllocateResponse:
         req = convert.allocate_request_from_pb(r)
@@ -140,6 +153,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _insert(self, engine: str, r: pb.InsertRequest,
                 out: pb.InsertResponse | None = None) -> pb.InsertResponse:
         req = convert.insert_request_from_pb(r, self._limit)
+        if req.session_id and current_principal() is not ANONYMOUS:
+            req = dataclasses.replace(req, session_id=scoped_session(req.session_id))
         return convert.insert_to_pb(self._core.insert(engine, req), out)
 
     def _release(self, engine: str, r: pb.ReleaseRequest) -> pb.ReleaseResponse:
@@ -148,7 +163,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return pb.ReleaseResponse()
 
     def _close_session(self, _e: str, r: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(released_refs=self._core.close_session(r.session_id))
+        return pb.CloseSessionResponse(
+            released_refs=self._core.close_session(scoped_session(r.session_id))
+        )
 
     def _stats(self, _engine: str, _r: pb.StatsRequest) -> pb.StatsResponse:
         return convert.stats_to_pb(self._core.stats())
@@ -175,10 +192,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             yield convert.load_to_pb(progress)
 
     def PrefetchStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._prefetch_status("", request)
+        return self._prefetch_status(engine_of(context), request)
 
     def CancelPrefetch(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._cancel_prefetch("", request)
+        return self._cancel_prefetch(engine_of(context), request)
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
         engine = engine_of(context)

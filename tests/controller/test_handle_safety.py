@@ -276,3 +276,24 @@ def test_a_store_refusing_every_write_opens_the_breaker(make) -> None:
         assert ctl.l3.breaker.is_open
     finally:
         backend.put_from = original
+
+
+def test_only_the_engine_that_started_a_prefetch_may_ask_about_it(make) -> None:
+    """Prefetch ids are random and answered only to their engine (with tokens, engine ids
+    are scoped to the tenant): another tenant could read and cancel a prefetch by id."""
+    ctl = make(write__l2_to_l3="write_through")
+    for engine in ("a", "b"):
+        ctl.attach(engine, 0, 1)
+    tokens = seq(4)
+    m = ctl.match("a", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    ctl.insert("a", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    p = ctl.match("a", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert p.prefetch_id > 1 << 20  # not a counter
+    with pytest.raises(NotFound):
+        ctl.prefetch_status(p.prefetch_id, "b")
+    with pytest.raises(NotFound):
+        ctl.cancel_prefetch(p.prefetch_id, "b")
+    assert ctl.prefetch_status(p.prefetch_id, "a").tokens_total == 16
+    ctl.release("a", p.lock_id, None)

@@ -111,3 +111,20 @@ def test_probe_listener_serves_only_health(secured: tuple[Daemon, int]) -> None:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.HiCacheStub(channel).Stats(pb.StatsRequest())
         assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_sessions_are_scoped_to_the_token(secured: tuple[Daemon, int]) -> None:
+    """Two tenants using the same session id do not share a session, and one cannot
+    close the other's (session ids were global)."""
+    from hicache.errors import NotFound
+
+    d, _ = secured
+    with d.client(token=TENANT_A, engine_id="ta") as a, d.client(token=ADMIN, engine_id="op") as op:
+        a.attach(map_pools=False)
+        op.attach(map_pools=False)
+        prompt = tokens(2 * PAGE, start=77_000)
+        m = a.match(prompt, "a", lock=True, allocate_tokens=2 * PAGE, session_id="conv-1")
+        a.insert(prompt, "a", lock_id=m.lock_id, allocation_id=m.allocation_id)
+        with pytest.raises(NotFound):
+            op.close_session("conv-1")
+        assert a.close_session("conv-1") >= 1
