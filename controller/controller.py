@@ -53,6 +53,7 @@ from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBack
 log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
 HEALTH_PROBE_S = 5.0  # a healthy-looking L3 is asked this often (shallow probe)
+L3_CONNECT_RETRY_S = 5.0  # a configured L3 that could not be reached at start is retried this often
 
 
 def _nothing() -> None:
@@ -67,6 +68,9 @@ class HybridCacheController(CacheService):
         self.device = device
         self.host = host
         self.l3 = l3
+        # Why the configured (not required) L3 backend is not connected, while it is not:
+        # reported unhealthy by `health` and retried in the background.
+        self.l3_down: str | None = None
         self.counters: Counter[str] = Counter()
         self._mu = threading.RLock()
         self._ps = cfg.model.page_size
@@ -86,7 +90,7 @@ class HybridCacheController(CacheService):
     def start(self) -> None:
         self.transfers.start()
         self.prefetcher.start()
-        if self.l3 is not None:
+        if self.l3 is not None or self.l3_down is not None:
             self._prober.start()
 
     def _probe_loop(self) -> None:
@@ -94,10 +98,15 @@ class HybridCacheController(CacheService):
         canary write when it had refused writes); a healthy answer closes the breaker and
         backups resume. Otherwise ask every
         `HEALTH_PROBE_S`: an idle daemon makes no L3 calls, and readiness must still see
-        a required backend go down."""
-        assert self.l3 is not None
+        a required backend go down. A backend not connected at start is connected here
+        every `L3_CONNECT_RETRY_S`."""
         last = time.monotonic()
         while not self._stop.wait(self.probe_interval_s):
+            if self.l3 is None:
+                if time.monotonic() - last >= L3_CONNECT_RETRY_S:
+                    last = time.monotonic()
+                    self._connect_l3()
+                continue
             due = time.monotonic() - last >= HEALTH_PROBE_S
             if self.l3.breaker.is_open or due:
                 last = time.monotonic()
@@ -106,6 +115,25 @@ class HybridCacheController(CacheService):
                     self.l3.probe(deep=self.l3.refusing)
                 except Exception:
                     log.exception("L3 probe failed")
+
+    def _connect_l3(self) -> None:
+        try:
+            backend = build_backend(self.cfg.storage)
+        except BackendUnavailable as e:
+            self.l3_down = str(e)
+            return
+        except Exception:
+            log.exception("L3 %s: connecting failed", self.cfg.storage.backend.value)
+            return
+        if self._stop.is_set():  # closing meanwhile: the pools may be gone
+            backend.close()
+            return
+        backend.register_host_buffer(self.host.buffer_address, self.host.buffer_size)
+        store = L3Store(backend, self.host, self.cfg.model.id, 0, self.cfg.model.tp_size)
+        with self._mu:
+            self.l3 = store
+            self.l3_down = None
+        log.info("L3 %s connected; backups and prefetches start", self.cfg.storage.backend.value)
 
     def close(self) -> None:
         self._stop.set()
@@ -567,7 +595,13 @@ class HybridCacheController(CacheService):
 
     def health(self, deep: bool) -> tuple[BackendHealth, ...]:
         if self.l3 is None:
-            return ()
+            if self.l3_down is None:
+                return ()  # no L3 configured
+            return (BackendHealth(
+                self.cfg.storage.backend.value, False, 0.0,
+                f"not connected since start ({self.l3_down}); retried every "
+                f"{L3_CONNECT_RETRY_S:g} s",
+            ),)
         if deep or self.l3.last_health is None:
             return (self.l3.probe(deep=deep),)
         return (self.l3.last_health,)
@@ -611,6 +645,7 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
         host = build_host_pools(cfg)
         copier = build_copy_engine(device, host)
         l3 = None
+        down = None
         if cfg.storage.backend is not StorageBackendName.NONE:
             if host.layout is not HostLayout.PAGE_FIRST:
                 raise ConfigError(
@@ -622,11 +657,14 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
             except BackendUnavailable as e:
                 if cfg.storage.required:
                     raise
-                log.error("L3 %s unavailable, serving from L1/L2 only: %s", cfg.storage.backend.value, e)
+                log.error("L3 %s unavailable, serving from L1/L2 only (retried every %g s): %s",
+                          cfg.storage.backend.value, L3_CONNECT_RETRY_S, e)
+                down = str(e)
             else:
                 backend.register_host_buffer(host.buffer_address, host.buffer_size)
                 l3 = L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size)
         ctl = HybridCacheController(cfg, tree, device, host, copier, l3)
+        ctl.l3_down = down
     except BaseException:
         if host is not None:
             host.close()

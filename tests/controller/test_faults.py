@@ -79,3 +79,35 @@ def test_mooncake_master_killed_mid_stream(tmp_path, mooncake_factory) -> None:
         _run_outage(ctl, lambda: master.stop(kill=True), master.start)
     finally:
         ctl.close()
+
+
+def test_an_l3_down_at_start_is_reported_and_connected_when_it_comes_up(
+        tmp_path, redis_factory, monkeypatch) -> None:
+    """Not required and unreachable at start: the daemon serves from L1/L2, `health`
+    reports the backend unhealthy (it said "no L3 configured", so probes passed), and
+    the backend is connected in the background once it answers."""
+    import hicache.controller.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "L3_CONNECT_RETRY_S", 0.1)
+    server = redis_factory()
+    server.stop()
+    cfg = tiny_config(tmp_path, backend="redis", storage__redis={"url": server.url},
+                      storage__timeout_s=0.5, write__l1_to_l2="write_through",
+                      write__l2_to_l3="write_through")
+    ctl = build_controller(cfg, f"faultd{int(time.time() * 1000) % 100000}")
+    try:
+        ctl.probe_interval_s = 0.05
+        assert ctl.l3 is None
+        (health,) = ctl.health(deep=False)
+        assert health.name == "redis" and not health.healthy and "not connected" in health.detail
+        eng = Engine(ctl)
+        eng.request(seq(4))  # serving goes on
+        server.start()
+        assert wait_for(lambda: ctl.l3 is not None), "never connected"
+        assert ctl.health(deep=True)[0].healthy
+        eng.request(seq(4, 70_000))
+        assert wait_for(lambda: ctl.stats().counters.get("backups_l3", 0) > 0)
+        assert ctl.transfers.drain(10)
+        ctl.check_integrity()
+    finally:
+        ctl.close()
