@@ -82,8 +82,14 @@ class SocketLock:
     def acquire(self) -> None:
         """Take the lock and clear a stale socket file; `FailedPrecondition` when another
         live daemon holds it or the path is something other than a socket."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise FailedPrecondition(
+                f"server.listen=unix://{self.path}: cannot create the socket there "
+                f"({e.strerror}: {e.filename})"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -107,12 +107,17 @@ class Daemon:
                 options=[("grpc.so_reuseport", 0)],
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
-            if not self.probe_server.add_insecure_port(self.cfg.server.probe_listen):
-                raise FailedPrecondition(
-                    f"server.probe_listen={self.cfg.server.probe_listen}: cannot bind"
-                )
+            probe = self.cfg.server.probe_listen
+            if not _bound(lambda: self.probe_server.add_insecure_port(probe)):  # type: ignore[union-attr]
+                raise FailedPrecondition(f"server.probe_listen={probe}: cannot listen there (in use?)")
             self.probe_server.start()
-        self.metrics_port = self.metrics.serve(self.cfg.metrics.port)
+        try:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics.port)
+        except OSError as e:
+            raise FailedPrecondition(
+                f"metrics.port={self.cfg.metrics.port}: cannot serve metrics there ({e.strerror}; "
+                "another daemon on this node? give each its own port, or 0 to turn them off)"
+            ) from None
         lease_s = self.cfg.server.lease_ms / 3e3
         self._every("leases", lease_s, self.core.expire_leases)
         self._every("health", HEALTH_REFRESH_S, self._refresh_health)
@@ -123,17 +128,24 @@ class Daemon:
             # Create the socket file without group/other access; chmod sets the final mode.
             old = os.umask(0o177)
             try:
-                port = self.server.add_insecure_port(target)
+                port = _bound(lambda: self.server.add_insecure_port(target))
             finally:
                 os.umask(old)
         elif self.cfg.server.tls_cert and self.cfg.server.tls_key:
-            with open(self.cfg.server.tls_key, "rb") as k, open(self.cfg.server.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            port = self.server.add_secure_port(target, creds)
+            key_pem = _read_pem(self.cfg.server.tls_key, "server.tls_key")
+            cert_pem = _read_pem(self.cfg.server.tls_cert, "server.tls_cert")
+            try:
+                creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
+            except (RuntimeError, ValueError) as e:
+                raise FailedPrecondition(f"server.tls_cert/tls_key: not a usable key pair ({e})") from None
+            port = _bound(lambda: self.server.add_secure_port(target, creds))
         else:
-            port = self.server.add_insecure_port(target)
+            port = _bound(lambda: self.server.add_insecure_port(target))
         if not port:
-            raise FailedPrecondition(f"cannot listen on {self.endpoint.address} (in use?)")
+            raise FailedPrecondition(
+                f"server.listen={self.endpoint.address}: cannot listen there (in use? for TLS: "
+                "do server.tls_cert and tls_key hold a matching PEM certificate and key?)"
+            )
 
     def _refresh_health(self) -> None:
         if self._stop.is_set():
@@ -229,3 +241,20 @@ def serve(
             lock.release()
     log.info("hicache daemon stopped")
     return 0
+
+
+def _bound(add_port: Callable[[], int]) -> int:
+    """The port `add_port` bound, or 0: grpcio raises RuntimeError where it cannot bind
+    (an address in use, a bad key pair) instead of returning 0."""
+    try:
+        return add_port()
+    except RuntimeError:
+        return 0
+
+
+def _read_pem(path: str, key: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise FailedPrecondition(f"{key}={path}: cannot read it ({e.strerror})") from None

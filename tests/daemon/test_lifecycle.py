@@ -61,6 +61,34 @@ def test_non_loopback_tcp_without_tls_refuses_to_start(make_daemon: MakeDaemon) 
     assert "requires TLS" in d.log() and "server.tls_cert" in d.log()
 
 
+@pytest.mark.parametrize("case", ["metrics port", "listen port", "tls pair", "socket parent"])
+def test_a_daemon_that_cannot_bind_names_the_key_not_a_traceback(
+        make_daemon: MakeDaemon, tmp_path, case: str) -> None:
+    import socket
+
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    taken = blocker.getsockname()[1]
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    (tmp_path / "afile").write_text("x")
+    sets, listen, key = {
+        "metrics port": ((f"metrics.port={taken}",), None, "metrics.port="),
+        "listen port": ((), f"127.0.0.1:{taken}", "server.listen="),
+        "tls pair": ((f"server.tls_cert={junk}", f"server.tls_key={junk}"), f"127.0.0.1:{free_port()}",
+                     "server.listen="),
+        "socket parent": ((), f"unix://{tmp_path}/afile/x.sock", "server.listen=unix://"),
+    }[case]
+    try:
+        d = make_daemon(*sets, listen=listen, start=False).start(wait=False)
+        assert d.proc is not None and d.proc.wait(timeout=60) == 1
+        log = d.log()
+        assert key in log and "Traceback" not in log, log
+    finally:
+        blocker.close()
+
+
 CRASHING_ENGINE = textwrap.dedent(
     """
     import os, sys, numpy as np
