@@ -450,6 +450,11 @@ class HicacheConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def _validate(self, path: str) -> None:
+        if self.tiers.l2.layout is HostLayout.LAYER_FIRST and self.storage.backend is not StorageBackendName.NONE:
+            raise ConfigError(
+                "tiers.l2.layout: layer_first cannot serve an L3 backend (objects are whole "
+                f"pages; storage.backend is {self.storage.backend.value}): use auto or page_first"
+            )
         if self.prefetch.threshold_tokens < self.model.page_size:
             raise ConfigError(
                 f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "
@@ -527,9 +532,13 @@ def load_config(
         text, source = default_config_text(), "embedded hicache.yaml"
     else:
         try:
-            text, source = Path(path).read_text(), str(path)
+            text, source = Path(path).read_text(encoding="utf-8"), str(path)
         except OSError as e:
             raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"cannot read configuration file {path}: not UTF-8 (byte {e.start})"
+            ) from None
     raw = parse_yaml(text, source)
     for item in overrides:
         apply_override(raw, item)
@@ -537,9 +546,29 @@ def load_config(
     return build_config(raw)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
+    last one silently: a second `storage:` section would drop the first)."""
+
+
+def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _value in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
 def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_StrictLoader)  # (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
     if raw is None:
@@ -676,9 +705,14 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 
 
+# A host: a name or IPv4 address, or a bracketed IPv6 address (no scheme, no path).
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
 def _host_port(value: str, path: str, problem: str) -> None:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if (not sep or not _HOST.fullmatch(host) or not port.isdigit()
+            or not 0 < int(port) < 65536):
         raise ConfigError(f"{path}: {value!r} {problem}")
 
 

@@ -213,3 +213,28 @@ def test_a_token_listed_twice_or_with_spaces_is_refused() -> None:
     spaced = {"server": {"tokens": [{"token": " " + "t" * 20, "namespaces": ["a"]}]}}
     with pytest.raises(ConfigError, match="printable ASCII without surrounding spaces"):
         build_config(spaced)
+
+
+def test_a_key_given_twice_is_refused_not_silently_dropped() -> None:
+    with pytest.raises(ConfigError, match="duplicate key 'storage'"):
+        build("storage: {backend: file}\nstorage: {backend: none}\n")
+
+
+def test_a_file_that_is_not_utf8_is_a_configuration_error(tmp_path) -> None:
+    from hicache.config import load_config
+
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("model: {id: caf\xe9}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(str(bad), [], env={})
+
+
+@pytest.mark.parametrize("listen", ["http://127.0.0.1:50194", "host/x:80", "a b:1"])
+def test_a_listen_address_with_a_scheme_or_path_is_refused(listen: str) -> None:
+    with pytest.raises(ConfigError, match=r"server\.listen"):
+        build_config({"server": {"listen": listen}})
+
+
+def test_layer_first_with_an_l3_backend_is_refused_by_the_loader() -> None:
+    with pytest.raises(ConfigError, match="layer_first cannot serve an L3 backend"):
+        build_config({"tiers": {"l2": {"layout": "layer_first"}}, "storage": {"backend": "file"}})
