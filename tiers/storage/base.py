@@ -51,6 +51,7 @@ from hicache.tiers.storage.integrity import (
     HEADER_BYTES,
     check_object,
     other_format,
+    truncated_of_ours,
     verified_objects,
     write_header,
     write_headers,
@@ -199,7 +200,27 @@ class StorageBackend(abc.ABC):
         _check_batch(keys, buffers)
         if not keys:
             return []
-        sizes = self._fetch_objects(keys, buffers)
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault(key, i)
+        if len(first) == len(keys):
+            sizes = self._fetch_objects(keys, buffers)
+        else:
+            # Each key once (a client may fill only one buffer of a key given twice),
+            # then copied into its other buffers.
+            unique = list(first.values())
+            got = self._fetch_objects([keys[i] for i in unique], [buffers[i] for i in unique])
+            by_key = dict(zip((keys[i] for i in unique), got, strict=True))
+            sizes = []
+            for i, key in enumerate(keys):
+                j, size = first[key], by_key[key]
+                if j != i and size != MISSING:
+                    if buffers[i].nbytes == buffers[j].nbytes:
+                        buffers[i][:] = buffers[j]
+                    else:  # not read into: judged by the stored size (corrupt), never removed
+                        buffers[i][:] = 0
+                        size = buffers[j].nbytes if size == VERIFIED else size
+                sizes.append(size)
         out: list[GetStatus] = []
         hits = corrupt = nbytes = 0
         broken: list[str] = []  # corrupt objects of ours: removed below
@@ -211,7 +232,8 @@ class StorageBackend(abc.ABC):
                 try:
                     check_object(buf, key, size)
                 except ObjectCorrupt as e:
-                    if size == buf.nbytes and not other_format(buf):
+                    if ((size == buf.nbytes and not other_format(buf))
+                            or truncated_of_ours(buf, key, size)):  # (a torn write)
                         broken.append(key)
                         log.warning("%s: %s; a miss, removing it from the store", self.name, e)
                     else:  # not ours to judge (and possibly many): counted, not logged loudly

@@ -148,6 +148,19 @@ def other_format(obj: np.ndarray) -> bool:
     return bool(magic == MAGIC and version != FORMAT_VERSION)
 
 
+def truncated_of_ours(obj: np.ndarray, key: str, stored_bytes: int) -> bool:
+    """Whether a read of `stored_bytes` < `obj.nbytes` bytes is an object of ours cut
+    short (a torn write): our magic and format version, `key`'s digest, and the payload
+    length `obj` expects, but fewer bytes stored. Another geometry's object (a different
+    length in its header) is not. Mutates nothing."""
+    view = obj.data
+    if not _FIELDS <= stored_bytes < len(view):
+        return False
+    magic, version, _, length, _, digest = _HEADER.unpack_from(view)
+    return bool(magic == MAGIC and version == FORMAT_VERSION and length == len(view) - HEADER_BYTES
+                and digest == key_digest(key))
+
+
 def _diagnose(view: memoryview, key: str, stored_bytes: int) -> None:
     """Raise `ObjectCorrupt` for the first field of `view` that does not match."""
     if stored_bytes != len(view):

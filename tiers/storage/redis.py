@@ -109,8 +109,8 @@ class RedisBackend(StorageBackend):
                         log.debug("redis: a get returned %r; the object is corrupt", value)
                         out.append(NOT_AN_OBJECT)
                         continue
-                    if len(value) == buf.nbytes:
-                        buf[:] = np.frombuffer(value, dtype=np.uint8)
+                    if len(value) <= buf.nbytes:  # (a short one too: its header tells whose)
+                        buf[: len(value)] = np.frombuffer(value, dtype=np.uint8)
                     out.append(len(value))
         except _DOWN as e:
             raise _unavailable(e) from None

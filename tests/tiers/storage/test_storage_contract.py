@@ -250,6 +250,32 @@ def test_duplicate_keys_in_a_put_batch_are_stored_once(store: Store) -> None:
     ]
 
 
+def test_a_key_repeated_in_a_get_batch_fills_each_of_its_buffers(store: Store) -> None:
+    """(Mooncake's client filled only the last buffer of a repeated key; the first then
+    looked corrupt and the good object was removed.)"""
+    backend = store.backend
+    src, dst = Pool(2, seed=11).register(backend), Pool(3, seed=12).register(backend)
+    a, b = keys(2)
+    backend.put_from([a, b], src.slots())
+    assert backend.get_into([a, b, a], dst.slots()) == [GetStatus.HIT] * 3
+    np.testing.assert_array_equal(dst.pages[0], src.pages[0])
+    np.testing.assert_array_equal(dst.pages[2], src.pages[0])
+    assert store.counted("corrupt") == 0 and backend.exists_prefix([a, b]) == 2
+
+
+def test_a_truncated_object_of_ours_is_removed(store: Store) -> None:
+    """Our header, our key and our length but fewer bytes stored (a torn write): removed
+    like any corrupt object of ours, so that a good copy can replace it."""
+    backend = store.backend
+    src, dst = Pool(1, seed=13).register(backend), Pool(1, seed=None).register(backend)
+    (k,) = keys(1)
+    backend.put_from([k], src.slots())
+    store.replace(backend, k, src.pages[0].tobytes()[: src.slot // 2])
+    assert backend.get_into([k], dst.slots()) == [GetStatus.CORRUPT]
+    assert store.counted("corrupt_removed") == 1 and backend.exists_prefix([k]) == 0
+    assert backend.put_from([k], src.slots()) == [PutStatus.STORED]
+
+
 def test_delete_removes_and_counts_only_present_keys(store: Store) -> None:
     backend = store.backend
     pool = Pool(3).register(backend)
