@@ -50,6 +50,9 @@ class Engine:
     allocations: set[int] = field(default_factory=set)
 
 
+MAX_ENGINE_ID = 256
+
+
 class EngineRegistry:
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
@@ -63,6 +66,8 @@ class EngineRegistry:
     def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> Engine:
         if not engine_id:
             raise InvalidArgument("engine_id: must be a non-empty string")
+        if len(engine_id) > MAX_ENGINE_ID:  # (it travels in a metadata header on every call)
+            raise InvalidArgument(f"engine_id: {len(engine_id)} characters, at most {MAX_ENGINE_ID}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
         engine = self._engines.get(engine_id)
@@ -75,6 +80,11 @@ class EngineRegistry:
     def engine(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
         if engine is None:
+            if not engine_id:
+                raise FailedPrecondition(
+                    "no engine id: send it in the x-hicache-engine metadata header (the "
+                    "client does after Attach)"
+                )
             if engine_id in self._lapsed:
                 raise NotFound(f"engine {engine_id!r}: its lease expired; call Attach again")
             raise FailedPrecondition(f"engine {engine_id!r} is not attached: call Attach first")

@@ -455,6 +455,12 @@ class HicacheConfig:
                 "tiers.l2.layout: layer_first cannot serve an L3 backend (objects are whole "
                 f"pages; storage.backend is {self.storage.backend.value}): use auto or page_first"
             )
+        if self.tiers.l2.size_gb is not None and self.l2_pages(self.l1_pages) <= self.l1_pages:
+            raise ConfigError(
+                f"tiers.l2.size_gb: {self.tiers.l2.size_gb} GiB holds "
+                f"{self.l2_pages(self.l1_pages)} pages per pool, not more than L1's "
+                f"{self.l1_pages}: L2 must hold L1 and more"
+            )
         if self.prefetch.threshold_tokens < self.model.page_size:
             raise ConfigError(
                 f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "

@@ -238,3 +238,8 @@ def test_a_listen_address_with_a_scheme_or_path_is_refused(listen: str) -> None:
 def test_layer_first_with_an_l3_backend_is_refused_by_the_loader() -> None:
     with pytest.raises(ConfigError, match="layer_first cannot serve an L3 backend"):
         build_config({"tiers": {"l2": {"layout": "layer_first"}}, "storage": {"backend": "file"}})
+
+
+def test_an_l2_size_not_larger_than_l1_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.l2\.size_gb: .* L2 must hold L1 and more"):
+        build_config({"tiers": {"l2": {"size_gb": 0.0001}}})

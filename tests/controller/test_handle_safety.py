@@ -297,3 +297,11 @@ def test_only_the_engine_that_started_a_prefetch_may_ask_about_it(make) -> None:
         ctl.cancel_prefetch(p.prefetch_id, "b")
     assert ctl.prefetch_status(p.prefetch_id, "a").tokens_total == 16
     ctl.release("a", p.lock_id, None)
+
+
+def test_engine_ids_are_bounded_and_a_missing_header_is_named() -> None:
+    registry = EngineRegistry(lease_s=30)
+    with pytest.raises(InvalidArgument, match="at most 256"):
+        registry.attach("e" * 300, 0, 1)
+    with pytest.raises(FailedPrecondition, match="x-hicache-engine"):
+        registry.engine("")
