@@ -82,8 +82,8 @@ class EngineRegistry:
         if engine is None:
             if not engine_id:
                 raise FailedPrecondition(
-                    "no engine id: send it in the x-hicache-engine metadata header (the "
-                    "client does after Attach)"
+                    "no engine id in the x-hicache-engine metadata header: call Attach first "
+                    "(the client sends the header after Attach)"
                 )
             if engine_id in self._lapsed:
                 raise NotFound(f"engine {engine_id!r}: its lease expired; call Attach again")
