@@ -49,14 +49,22 @@ def describe(cfg: HicacheConfig) -> str:
     lines.append(f"l1_pages: {l1} ({l1 * cfg.model.page_size} tokens)")
     lines.append(f"l2_pages: {l2} ({l2 * cfg.model.page_size} tokens)")
     lines.append(f"host_layout: {cfg.host_layout.value}")
+    from hicache.tiers.sizing import host_pages, slot_bytes  # (no torch: config check stays quick)
+
+    l2_of = host_pages(cfg)
     l1_bytes = l2_bytes = 0
     for m in cfg.model.members:
         pages = cfg.pages_for(m.component)
-        l1_bytes += pages * m.bytes_per_page
-        l2_bytes += (l2 if m.component.value != "mamba" else pages * 2) * m.bytes_per_page
+        member_l1 = pages * m.bytes_per_page
+        member_l2 = l2_of[m.component] * slot_bytes(m, cfg.host_layout)
+        l1_bytes += member_l1
+        l2_bytes += member_l2
         lines.append(
             f"member {m.name}: component={m.component.value} layers={m.layers} "
-            f"page={_human_bytes(m.bytes_per_page_per_layer)}/layer"
+            f"page={_human_bytes(m.bytes_per_page_per_layer)}/layer "
+            f"l1={pages} x {_human_bytes(m.bytes_per_page)} = {_human_bytes(member_l1)} "
+            f"l2={l2_of[m.component]} x {_human_bytes(slot_bytes(m, cfg.host_layout))} = "
+            f"{_human_bytes(member_l2)}"
         )
     lines.append(f"l1_bytes: {_human_bytes(l1_bytes)}")
     lines.append(f"l2_bytes: {_human_bytes(l2_bytes)}")

@@ -92,3 +92,18 @@ def test_serve_listen_is_taken_literally() -> None:
     for address in ("[::1]:50199", "unix:///tmp/my #1.sock"):
         args = argparse.Namespace(set=[], listen=address)
         assert load_config(None, _serve_overrides(args)).server.listen == address
+
+
+def test_config_check_sizes_come_from_the_pools_own_sizing() -> None:
+    """Per member L1 and L2 figures; MAMBA's L2 slots are ceil(mamba_slots x ratio) like
+    the host pools allocate (it printed twice the L1 slots), page_first slots include the
+    object header."""
+    from hicache.cli import describe
+    from hicache.config import load_config
+
+    cfg = load_config(None, ["model.components.mamba={layers: 2, state_bytes_per_layer: 64}",
+                             "tiers.l2.ratio=4", "tiers.l1.mamba_slots=100", "tiers.l2.layout=page_first"],
+                      env={})
+    text = describe(cfg)
+    assert "member mamba: component=mamba" in text and "l2=400 x 192 B" in text
+    assert "member full: component=full" in text and "l1=1024 x 64.0 KiB" in text

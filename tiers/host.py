@@ -1,6 +1,6 @@
 """L2 host pools: one page-aligned buffer (pinned when CUDA is present) for every member.
 
-Sizing (`host_pages`): token families get ``cfg.l2_pages(cfg.l1_pages)`` pages. MAMBA
+Sizing (`host_pages`, in `tiers/sizing.py`): token families get ``cfg.l2_pages(cfg.l1_pages)`` pages. MAMBA
 gets ``ceil(mamba_slots x tiers.l2.ratio)`` slots, the same multiple of L1 that the token
 pools get; with ``tiers.l2.size_gb`` it gets ``l2_pages`` slots, because `l2_pages` splits
 the budget as if every member held that many entries, so the pools then fill exactly the
@@ -17,7 +17,6 @@ Layouts (``tiers.l2.layout``):
 from __future__ import annotations
 
 import contextlib
-import math
 import mmap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +31,7 @@ from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
 from hicache.tiers.pool import checked_ids
 from hicache.tiers.prefault import Prefaulter
+from hicache.tiers.sizing import SLOT_ALIGN, host_pages, round_up, slot_bytes
 from hicache.types import ComponentKind, HostLayout
 
 __all__ = [
@@ -44,22 +44,7 @@ __all__ = [
     "slot_bytes",
 ]
 
-SLOT_ALIGN = 64  # page_first slots start on a cache line (and an int64 boundary)
 _OS_PAGE = mmap.PAGESIZE
-
-
-def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
-    """Pages (MAMBA: slots) of each family's L2 pools; see the module docstring."""
-    token_pages = cfg.l2_pages(cfg.l1_pages)
-    out: dict[ComponentKind, int] = {}
-    for kind in cfg.model.component_kinds:
-        if kind is not ComponentKind.MAMBA:
-            out[kind] = token_pages
-        elif cfg.tiers.l2.size_gb is None:
-            out[kind] = math.ceil(cfg.tiers.l1.mamba_slots * cfg.tiers.l2.ratio)
-        else:
-            out[kind] = token_pages
-    return out
 
 
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -70,16 +55,6 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
     raise FailedPrecondition(f"{meminfo}: no MemAvailable line")
 
 
-def slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:
-    """Bytes one page of `spec` takes in L2: header + payload padded (`page_first`), or the
-    payload (`layer_first`, where a page's layers are apart)."""
-    if layout is HostLayout.PAGE_FIRST:
-        return _round_up(HEADER_BYTES + spec.bytes_per_page, SLOT_ALIGN)
-    return spec.bytes_per_page
-
-
-def _round_up(value: int, to: int) -> int:
-    return -(-value // to) * to
 
 
 class HostBufferPools(MemberTable, HostPools):
@@ -104,7 +79,7 @@ class HostBufferPools(MemberTable, HostPools):
         offset = 0
         for spec in self.members:
             self._offsets[spec.name] = offset
-            offset = _round_up(offset + self.region_bytes(spec), _OS_PAGE)
+            offset = round_up(offset + self.region_bytes(spec), _OS_PAGE)
         self._size = max(offset, _OS_PAGE)
         self._map: mmap.mmap | None = mmap.mmap(
             -1, self._size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -249,7 +224,7 @@ def build_host_pools(
     pages = host_pages(cfg)
     members = cfg.model.members
     layout = cfg.host_layout
-    needed = sum(_round_up(pages[m.component] * slot_bytes(m, layout), _OS_PAGE) for m in members)
+    needed = sum(round_up(pages[m.component] * slot_bytes(m, layout), _OS_PAGE) for m in members)
     available = mem_available_bytes() if available_bytes is None else available_bytes
     reserve = int(cfg.tiers.l2.reserve_gb * GiB)
     allowed = available - reserve

@@ -1,0 +1,44 @@
+"""How large the L2 pools are, computed from the configuration alone (no torch, no pools):
+what the host pools allocate and what `hicache config check` reports are the same numbers.
+
+Token families get ``cfg.l2_pages(cfg.l1_pages)`` pages each. MAMBA gets ``ratio`` times
+its L1 slots, or, with ``tiers.l2.size_gb``, as many slots as the token families have
+pages. A page's L2 slot is its header and payload rounded up to a cache line
+(`page_first`, the layout L3 objects need), or its payload (`layer_first`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hicache.config import HicacheConfig, MemberSpec
+from hicache.tiers.storage.integrity import HEADER_BYTES
+from hicache.types import ComponentKind, HostLayout
+
+SLOT_ALIGN = 64  # page_first slots start on a cache line (and an int64 boundary)
+
+
+def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
+    """Pages (MAMBA: slots) of each family's L2 pools."""
+    token_pages = cfg.l2_pages(cfg.l1_pages)
+    out: dict[ComponentKind, int] = {}
+    for kind in cfg.model.component_kinds:
+        if kind is not ComponentKind.MAMBA:
+            out[kind] = token_pages
+        elif cfg.tiers.l2.size_gb is None:
+            out[kind] = math.ceil(cfg.tiers.l1.mamba_slots * cfg.tiers.l2.ratio)
+        else:
+            out[kind] = token_pages
+    return out
+
+
+def slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:
+    """Bytes one page of `spec` takes in L2: header + payload padded (`page_first`), or the
+    payload (`layer_first`, where a page's layers are apart)."""
+    if layout is HostLayout.PAGE_FIRST:
+        return round_up(HEADER_BYTES + spec.bytes_per_page, SLOT_ALIGN)
+    return spec.bytes_per_page
+
+
+def round_up(value: int, to: int) -> int:
+    return -(-value // to) * to
