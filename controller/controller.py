@@ -366,7 +366,12 @@ class HybridCacheController(CacheService):
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
             start, checkpoint = 0, None
             if req.lock_id:
-                lock = self._engines.lock(engine_id, req.lock_id).tree_lock
+                record = self._engines.lock(engine_id, req.lock_id)
+                if record.namespace != req.namespace:
+                    raise InvalidArgument(
+                        f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
+                    )
+                lock = record.tree_lock
                 start = self.tree.depth_tokens(lock.device_end) // self._ps
                 if lock.device_end is not None and MAMBA in self._kinds:
                     checkpoint = self.tree.pages_of(lock.device_end, MAMBA, Tier.DEVICE)

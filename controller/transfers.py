@@ -201,7 +201,7 @@ class Transfers:
             if not pending or self._evicting or left <= 0:
                 raise ResourceExhausted(
                     f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed, "
-                    f"{alloc.free_count} free and the rest locked"
+                    f"{alloc.free_count} free and the rest locked or held by allocations"
                 )
             self.stats["allocation_waits"] += 1
             self._schedule_l2_flush(urgent=True)  # a held flush must not be waited for

@@ -42,7 +42,10 @@ def _human_bytes(n: float) -> str:
 
 def describe(cfg: HicacheConfig) -> str:
     """The resolved configuration with derived sizes in human units."""
-    lines = [yaml.safe_dump(to_plain(cfg), sort_keys=False).rstrip(), "", "# derived"]
+    plain = to_plain(cfg)
+    for entry in plain["server"]["tokens"]:  # (what config check prints may end up in logs)
+        entry["token"] = "(hidden)"
+    lines = [yaml.safe_dump(plain, sort_keys=False).rstrip(), "", "# derived"]
     l1 = cfg.l1_pages
     l2 = cfg.l2_pages(l1)
     lines.append(f"page_size: {cfg.model.page_size} tokens")

@@ -145,8 +145,12 @@ class ModelConfig:
                 )
             if side.anchor is ComponentKind.MAMBA:
                 _positive(side.state_bytes_per_layer, f"{spath}.state_bytes_per_layer")
+                _zero(side.bytes_per_token_per_layer, f"{spath}.bytes_per_token_per_layer",
+                      "mamba-anchored sidecar")
             else:
                 _positive(side.bytes_per_token_per_layer, f"{spath}.bytes_per_token_per_layer")
+                _zero(side.state_bytes_per_layer, f"{spath}.state_bytes_per_layer",
+                      f"{side.anchor.value}-anchored sidecar")
 
     @functools.cached_property
     def members(self) -> tuple[MemberSpec, ...]:

@@ -107,3 +107,12 @@ def test_config_check_sizes_come_from_the_pools_own_sizing() -> None:
     text = describe(cfg)
     assert "member mamba: component=mamba" in text and "l2=400 x 192 B" in text
     assert "member full: component=full" in text and "l1=1024 x 64.0 KiB" in text
+
+
+def test_config_check_hides_bearer_tokens() -> None:
+    from hicache.cli import describe
+    from hicache.config import build_config
+
+    secret = "tenant-secret-token-0123456789"
+    text = describe(build_config({"server": {"tokens": [{"token": secret, "namespaces": ["a"]}]}}))
+    assert secret not in text and "(hidden)" in text

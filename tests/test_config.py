@@ -243,3 +243,10 @@ def test_layer_first_with_an_l3_backend_is_refused_by_the_loader() -> None:
 def test_an_l2_size_not_larger_than_l1_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"tiers\.l2\.size_gb: .* L2 must hold L1 and more"):
         build_config({"tiers": {"l2": {"size_gb": 0.0001}}})
+
+
+def test_a_sidecar_size_its_anchor_does_not_use_is_refused() -> None:
+    raw = {"model": {"sidecars": {"ix": {"anchor": "full", "layers": 1, "bytes_per_token_per_layer": 2,
+                                         "state_bytes_per_layer": 8}}}}
+    with pytest.raises(ConfigError, match=r"ix\.state_bytes_per_layer: not used by a full-anchored sidecar"):
+        build_config(raw)

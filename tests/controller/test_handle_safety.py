@@ -305,3 +305,12 @@ def test_engine_ids_are_bounded_and_a_missing_header_is_named() -> None:
         registry.attach("e" * 300, 0, 1)
     with pytest.raises(FailedPrecondition, match="x-hicache-engine"):
         registry.engine("")
+
+
+def test_an_allocation_extending_a_lock_of_another_namespace_is_refused(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    m = ctl.match("e1", MatchRequest("ns-a", seq(2), lock=True))
+    with pytest.raises(InvalidArgument, match="does not match lock"):
+        ctl.allocate("e1", AllocateRequest("ns-b", 8, lock_id=m.lock_id))
+    ctl.release("e1", m.lock_id, None)
