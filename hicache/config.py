@@ -488,7 +488,7 @@ class HicacheConfig:
         budget = int(self.tiers.l1.size_gb * GiB) - mamba_bytes
         if budget < token_bytes:
             raise ConfigError(
-                f"tiers.l1.size_gb: {self.tiers.l1.size_gb} GB does not hold one page of every pool"
+                f"tiers.l1.size_gb: {self.tiers.l1.size_gb} GiB does not hold one page of every pool"
             )
         return budget // token_bytes
 
@@ -710,7 +710,10 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{shown}: expected a string, got {_show(value)}")
+            hint = ""
+            if shown.endswith("socket_mode") and isinstance(value, int):
+                hint = " (YAML reads an unquoted 0660 as a number: quote it, '0660')"
+            raise ConfigError(f"{shown}: expected a string, got {_show(value)}{hint}")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 

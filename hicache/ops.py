@@ -23,7 +23,8 @@ def _client(target: str, token: str | None, ca: bytes | None) -> Client:
 def health_report(target: str, deep: bool, token: str | None = None,
                   ca: bytes | None = None) -> tuple[dict[str, Any], int]:
     """`ca`: PEM root certificates of a TLS daemon (None: the system's, for TLS)."""
-    report: dict[str, Any] = {"target": target, "reachable": False}
+    # Every key always present (JSON consumers need not test for them).
+    report: dict[str, Any] = {"target": target, "reachable": False, "serving": False, "backends": []}
     try:
         with _client(target, token, ca) as client:
             serving = client.serving()

@@ -116,3 +116,12 @@ def test_config_check_hides_bearer_tokens() -> None:
     secret = "tenant-secret-token-0123456789"
     text = describe(build_config({"server": {"tokens": [{"token": secret, "namespaces": ["a"]}]}}))
     assert secret not in text and "(hidden)" in text
+
+
+def test_health_json_has_every_key_when_the_daemon_is_unreachable(tmp_path) -> None:
+    from hicache.ops import EXIT_UNREACHABLE, health_report
+
+    report, rc = health_report(f"unix://{tmp_path}/nobody.sock", deep=False)
+    assert rc == EXIT_UNREACHABLE
+    assert {"target", "reachable", "serving", "backends", "error"} <= set(report)
+    assert report["serving"] is False and report["backends"] == []

@@ -250,3 +250,8 @@ def test_a_sidecar_size_its_anchor_does_not_use_is_refused() -> None:
                                          "state_bytes_per_layer": 8}}}}
     with pytest.raises(ConfigError, match=r"ix\.state_bytes_per_layer: not used by a full-anchored sidecar"):
         build_config(raw)
+
+
+def test_an_unquoted_socket_mode_gets_a_quoting_hint() -> None:
+    with pytest.raises(ConfigError, match="quote it"):
+        build("server: {socket_mode: 0660}\n")
