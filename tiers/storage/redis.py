@@ -21,6 +21,7 @@ import redis
 from hicache.config import RedisStorageConfig
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
+from hicache.tiers.storage.bounded import BoundedCaller
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class RedisBackend(StorageBackend):
         self.cfg = cfg
         self._pool: redis.BlockingConnectionPool | None = None
         self._client: redis.Redis | None = None
+        # redis-py bounds the pool wait, the connect and each socket read apart, so a call
+        # under load could take a multiple of timeout_s: each call runs bounded instead.
+        self._caller = BoundedCaller(self.name, timeout_s, workers=max(4, cfg.pool_size))
 
     def start(self) -> None:
         pool = redis.BlockingConnectionPool.from_url(
@@ -57,11 +61,15 @@ class RedisBackend(StorageBackend):
         self._probe()
 
     def close(self) -> None:
+        self._caller.close()
         if self._client is not None:
             self._client.close()
         if self._pool is not None:
             self._pool.disconnect()
         self._client = self._pool = None
+
+    def _stuck_calls(self) -> int:
+        return self._caller.stuck
 
     @property
     def client(self) -> redis.Redis:
@@ -75,6 +83,9 @@ class RedisBackend(StorageBackend):
     # ------------------------------------------------------------------ backend hooks
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._caller.call(self._exists_sync, keys)
+
+    def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
         try:
             for lo in self._batches(len(keys)):
@@ -90,6 +101,9 @@ class RedisBackend(StorageBackend):
         return out
 
     def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        return self._caller.call(self._read_sync, keys, buffers)
+
+    def _read_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
         out: list[int] = []
         try:
             for lo in self._batches(len(keys)):
@@ -117,6 +131,9 @@ class RedisBackend(StorageBackend):
         return out
 
     def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
+        return self._caller.call(self._write_sync, keys, buffers)
+
+    def _write_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         out: list[PutStatus] = []
         try:
             for lo in self._batches(len(keys)):
@@ -136,6 +153,9 @@ class RedisBackend(StorageBackend):
         return out
 
     def _remove(self, keys: Sequence[str]) -> int:
+        return self._caller.call(self._remove_sync, keys)
+
+    def _remove_sync(self, keys: Sequence[str]) -> int:
         removed = 0
         try:
             for lo in self._batches(len(keys)):
@@ -145,6 +165,9 @@ class RedisBackend(StorageBackend):
         return removed
 
     def _probe(self) -> tuple[str, int | None, int | None]:
+        return self._caller.call(self._probe_sync)
+
+    def _probe_sync(self) -> tuple[str, int | None, int | None]:
         try:
             self.client.ping()
         except _DOWN as e:

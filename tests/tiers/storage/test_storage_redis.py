@@ -69,3 +69,42 @@ def test_a_full_store_refuses_a_repeated_key_as_failed_not_present(redis_server:
         admin.flushall()
         admin.config_set("maxmemory", "0")
         backend.close()
+
+
+def test_concurrent_calls_to_a_hung_server_end_within_the_timeout(redis_server: RedisServer) -> None:
+    """More callers than pool connections (the daemon has 32 RPC threads, the pool 8): each
+    call still ends within storage.timeout_s (redis-py bounds the pool wait and each socket
+    read apart: ~2x before)."""
+    import contextlib
+    import os
+    import signal
+    import threading
+    import time
+
+    from hicache.errors import BackendUnavailable
+
+    backend = build_backend(storage_config(StorageBackendName.REDIS, timeout_s=1.0,
+                                           redis_url=redis_server.url))
+    took: list[float] = []
+
+    def lookup() -> None:
+        t0 = time.monotonic()
+        with contextlib.suppress(BackendUnavailable):
+            backend.exists_prefix(ks)
+        took.append(time.monotonic() - t0)
+
+    try:
+        ks = keys(4)
+        backend.put_from(ks, Pool(4).slots())
+        os.kill(redis_server.pid, signal.SIGSTOP)  # alive, not answering
+        try:
+            threads = [threading.Thread(target=lookup) for _ in range(24)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            os.kill(redis_server.pid, signal.SIGCONT)
+        assert max(took) < 1.5, max(took)
+    finally:
+        backend.close()
