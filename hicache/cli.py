@@ -146,7 +146,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _target(args: argparse.Namespace) -> str:
-    return args.target or load_config(args.config).server.listen
+    """--target, else the config's `server.listen`; a wildcard bind (0.0.0.0, [::]) is
+    dialled on the matching loopback address (a TLS certificate must then name it)."""
+    if args.target:
+        return str(args.target)
+    listen = load_config(args.config).server.listen
+    host, sep, port = listen.rpartition(":")
+    loopback = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host)
+    return f"{loopback}{sep}{port}" if loopback else listen
 
 
 def _ca(args: argparse.Namespace) -> bytes | None:

@@ -125,3 +125,16 @@ def test_health_json_has_every_key_when_the_daemon_is_unreachable(tmp_path) -> N
     assert rc == EXIT_UNREACHABLE
     assert {"target", "reachable", "serving", "backends", "error"} <= set(report)
     assert report["serving"] is False and report["backends"] == []
+
+
+@pytest.mark.parametrize(("listen", "dialled"), [("0.0.0.0:50051", "127.0.0.1:50051"),
+                                                  ("[::]:50051", "[::1]:50051"),
+                                                  ("10.0.0.5:50051", "10.0.0.5:50051")])
+def test_a_wildcard_listen_address_is_dialled_on_loopback(tmp_path, listen: str, dialled: str) -> None:
+    import argparse
+
+    from hicache.cli import _target
+
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text(f"server: {{listen: '{listen}'}}\n")
+    assert _target(argparse.Namespace(target=None, config=str(cfg))) == dialled
