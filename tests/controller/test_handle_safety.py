@@ -23,6 +23,14 @@ def _allocated(ctl, ids: np.ndarray) -> bool:
     return bool(ctl.device.allocator(FULL).is_allocated(ids).all())
 
 
+def _only_in_l3(ctl, engine: str, tokens: bytes) -> None:
+    """One request's pages, written through to L3, then evicted from L1 and L2."""
+    m = ctl.match(engine, MatchRequest("", tokens, lock=True, allocate_tokens=len(tokens) // 4))
+    ctl.insert(engine, InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+
+
 def test_keep_lock_insert_keeps_the_pages_a_running_request_reads(make) -> None:
     """Two engines prefill the same prompt at once; A commits first. B's keep_lock Insert
     finds the tokens in the tree, but B goes on decoding from its own pages: they stay
@@ -113,10 +121,7 @@ def test_a_prefetch_without_a_lock_still_starts_and_lands(make) -> None:
     ctl = make(write__l2_to_l3="write_through")
     ctl.attach("e1", 0, 1)
     tokens = seq(4)
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
-    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    _only_in_l3(ctl, "e1", tokens)
     p = ctl.match("e1", MatchRequest("", tokens, prefetch=True))
     assert p.lock_id == 0 and p.prefetch_id and p.storage_tokens == 16
     deadline = time.monotonic() + 10
@@ -240,10 +245,7 @@ def test_an_open_breaker_reports_nothing_in_l3_and_starts_no_prefetch(make) -> N
     ctl = make(write__l2_to_l3="write_through")
     ctl.attach("e1", 0, 1)
     tokens = seq(4)
-    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
-    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    _only_in_l3(ctl, "e1", tokens)
     assert ctl.match("e1", MatchRequest("", tokens)).storage_tokens == 16  # known present
     ctl.probe_interval_s = 3600  # (the prober would close it again)
     for _ in range(10):
@@ -285,10 +287,7 @@ def test_only_the_engine_that_started_a_prefetch_may_ask_about_it(make) -> None:
     for engine in ("a", "b"):
         ctl.attach(engine, 0, 1)
     tokens = seq(4)
-    m = ctl.match("a", MatchRequest("", tokens, lock=True, allocate_tokens=16))
-    ctl.insert("a", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
-    assert ctl.transfers.drain(10)
-    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    _only_in_l3(ctl, "a", tokens)
     p = ctl.match("a", MatchRequest("", tokens, lock=True, prefetch=True))
     assert p.prefetch_id > 1 << 20  # not a counter
     with pytest.raises(NotFound):

@@ -10,6 +10,7 @@ compares match results and counters with the oracle and runs `check_integrity()`
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -42,6 +43,7 @@ class Oracle:
         self.res: dict[tuple, dict[tuple[ComponentKind, Tier], int]] = {}
         self.owner: dict[tuple[ComponentKind, Tier, int], tuple] = {}
         self.locked: list[tuple] = []  # (device boundary, host boundary, pages, lock)
+        self.l3: set[tuple] = set()  # (prefix, kind) written to L3 (test_property_tiers)
 
     def set(self, prefix: tuple, kind: ComponentKind, tier: Tier, pid: int) -> None:
         self.res.setdefault(prefix, {})[(kind, tier)] = pid
@@ -57,15 +59,15 @@ class Oracle:
             for (kind, tier), pid in self.res.pop(prefix).items():
                 del self.owner[(kind, tier, pid)]
 
-    def boundary(self, pages: tuple, tiers: tuple[Tier, ...]) -> int:
-        """Deepest page boundary every component accepts, using data in `tiers`."""
+    def boundary(self, pages: tuple, tiers: tuple[Tier, ...], l3: bool = False) -> int:
+        """Deepest page boundary every component accepts, using data in `tiers` (and L3)."""
         def has(i: int, kind: ComponentKind) -> bool:
             r = self.res.get(pages[:i], {})
-            return any((kind, t) in r for t in tiers)
+            return any((kind, t) in r for t in tiers) or (l3 and (pages[:i], kind) in self.l3)
 
         best = 0
         for b in range(1, len(pages) + 1):
-            if pages[:b] not in self.res or not has(b, FULL):
+            if not has(b, FULL):
                 break
             ok = True
             if SWA in self.kinds:
@@ -83,6 +85,80 @@ class Oracle:
         return n
 
 
+def token_bytes(pages: tuple) -> bytes:
+    return np.array([t for page in pages for t in page], dtype="<u4").tobytes()
+
+
+def check_match(m, oracle: Oracle, pages: tuple) -> tuple[int, int]:
+    """A match's device and host boundaries and device pages against the oracle's;
+    returns the boundaries (pages)."""
+    b0 = oracle.boundary(pages, (DEV,))
+    b1 = oracle.boundary(pages, (DEV, HOST))
+    assert m.device_tokens == b0 * P, (m, b0)
+    assert m.host_tokens == (b1 - b0) * P, (m, b1)
+    assert m.matched_tokens == oracle.stored(pages) * P
+    want = [oracle.res[pages[: i + 1]][(FULL, DEV)] for i in range(b0)]
+    assert m.device_pages[FULL].tolist() == want
+    if SWA in oracle.kinds:
+        want_swa = [oracle.res[pages[: i + 1]].get((SWA, DEV), -1) for i in range(b0)]
+        assert m.device_pages[SWA].tolist() == want_swa
+    if MAMBA in oracle.kinds and b0:
+        assert m.device_pages[MAMBA].tolist() == [oracle.res[pages[:b0]][(MAMBA, DEV)]]
+    return b0, b1
+
+
+def record_evicted(freed, oracle: Oracle, tier: Tier) -> None:
+    """Pages an eviction freed leave the oracle; none of them may be one a live lock
+    covers: FULL/SWA up to the host boundary, MAMBA at the device and host boundaries."""
+    for k, arr in freed.items():
+        for pid in arr.tolist():
+            prefix = oracle.free(k, tier, pid)
+            for b0, b1, pages, _ in oracle.locked:
+                if k is MAMBA:
+                    assert prefix not in (pages[:b0], pages[:b1]) or not prefix, "locked checkpoint evicted"
+                else:
+                    assert not (len(prefix) <= b1 and pages[: len(prefix)] == prefix), "locked page evicted"
+    oracle.drop_dead()
+
+
+def back_up_to_host(tree: HiRadixTree, oracle: Oracle, ids: Iterator[int], victim) -> None:
+    """Write-back of an L1 victim: its slots L2 lacks go there (FULL first) before it
+    leaves, with fresh host page ids."""
+    for k, arr in victim.pages.items():
+        first = oracle.owner[(k, DEV, int(arr[0]))]
+        if (k, HOST) in oracle.res[first]:
+            continue  # already backed up: only missing pages are written
+        if k is not FULL and (FULL, HOST) not in oracle.res[first]:
+            continue  # a slot goes to host only where FULL is there too
+        host_ids = np.array([next(ids) for _ in arr], dtype=np.int64)
+        tree.set_resident(victim.node, k, HOST, host_ids)
+        for dev_pid, host_pid in zip(arr.tolist(), host_ids.tolist(), strict=True):
+            oracle.set(oracle.owner[(k, DEV, dev_pid)], k, HOST, host_pid)
+
+
+def unlock_one(tree: HiRadixTree, oracle: Oracle, locks: list, pick: int) -> None:
+    if locks:
+        lock = locks.pop(pick % len(locks))
+        if lock.active:
+            tree.unlock(lock)
+        oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
+
+
+def close_one(tree: HiRadixTree, session: str) -> None:
+    try:
+        tree.close_session(session)
+    except Exception as e:  # unknown session: must be NotFound
+        assert type(e).__name__ == "NotFound"
+
+
+def check_step(tree: HiRadixTree, oracle: Oracle) -> None:
+    tree.check_integrity()
+    for tier in (DEV, HOST):
+        for kind in oracle.kinds:
+            held = sum(1 for r in oracle.res.values() if (kind, tier) in r)
+            assert tree.resident_pages(tier, kind) == held, (tier, kind, tree.resident_pages(tier, kind), held)
+
+
 def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
     tree = HiRadixTree(P, {k: (WINDOW * P if k is SWA else 0) for k in kinds})
     oracle = Oracle(kinds)
@@ -91,9 +167,6 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
 
     def as_pages(spec) -> tuple:
         return tuple((a, b) for a, b in spec)
-
-    def token_bytes(pages: tuple) -> bytes:
-        return np.array([t for page in pages for t in page], dtype="<u4").tobytes()
 
     for op in ops:
         if op[0] == "insert":
@@ -130,18 +203,7 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
             _, spec, lock, session = op
             pages = as_pages(spec)
             m = tree.match("", token_bytes(pages), lock=lock, session_id=session)
-            b0 = oracle.boundary(pages, (DEV,))
-            b1 = oracle.boundary(pages, (DEV, HOST))
-            assert m.device_tokens == b0 * P, (m, b0)
-            assert m.host_tokens == (b1 - b0) * P, (m, b1)
-            assert m.matched_tokens == oracle.stored(pages) * P
-            want = [oracle.res[pages[: i + 1]][(FULL, DEV)] for i in range(b0)]
-            assert m.device_pages[FULL].tolist() == want
-            if SWA in kinds:
-                want_swa = [oracle.res[pages[: i + 1]].get((SWA, DEV), -1) for i in range(b0)]
-                assert m.device_pages[SWA].tolist() == want_swa
-            if MAMBA in kinds and b0:
-                assert m.device_pages[MAMBA].tolist() == [oracle.res[pages[:b0]][(MAMBA, DEV)]]
+            b0, b1 = check_match(m, oracle, pages)
             if m.lock is not None:
                 locks.append(m.lock)
                 oracle.locked.append((b0, b1, pages, m.lock))
@@ -151,47 +213,15 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
                 continue
 
             def back_up(victim, tier=tier, write_back=write_back) -> None:
-                if tier is not DEV or not write_back:
-                    return
-                for k, arr in victim.pages.items():
-                    first = oracle.owner[(k, DEV, int(arr[0]))]
-                    if (k, HOST) in oracle.res[first]:
-                        continue  # already backed up: only missing pages are written
-                    if k is not FULL and (FULL, HOST) not in oracle.res[first]:
-                        continue  # a slot goes to host only where FULL is there too
-                    host_ids = np.array([next(ids) for _ in arr], dtype=np.int64)
-                    tree.set_resident(victim.node, k, HOST, host_ids)
-                    for dev_pid, host_pid in zip(arr.tolist(), host_ids.tolist(), strict=True):
-                        oracle.set(oracle.owner[(k, DEV, dev_pid)], k, HOST, host_pid)
+                if tier is DEV and write_back:
+                    back_up_to_host(tree, oracle, ids, victim)
 
-            r = tree.evict(tier, kind, n, before_drop=back_up)
-            for k, arr in r.freed.items():
-                for pid in arr.tolist():
-                    prefix = oracle.free(k, tier, pid)
-                    for b0, b1, pages, _ in oracle.locked:
-                        # Nothing a live lock covers may leave: FULL/SWA up to the host
-                        # boundary, MAMBA at the device and host boundaries.
-                        if k is MAMBA:
-                            assert prefix not in (pages[:b0], pages[:b1]) or not prefix, "locked checkpoint evicted"
-                        else:  # FULL and SWA locks cover the path
-                            assert not (len(prefix) <= b1 and pages[: len(prefix)] == prefix), "locked page evicted"
-            oracle.drop_dead()
+            record_evicted(tree.evict(tier, kind, n, before_drop=back_up).freed, oracle, tier)
         elif op[0] == "unlock":
-            if locks:
-                lock = locks.pop(op[1] % len(locks))
-                if lock.active:
-                    tree.unlock(lock)
-                oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
+            unlock_one(tree, oracle, locks, op[1])
         elif op[0] == "close":
-            try:
-                tree.close_session(op[1])
-            except Exception as e:  # unknown session: must be NotFound
-                assert type(e).__name__ == "NotFound"
-        tree.check_integrity()
-        for tier in (DEV, HOST):
-            for kind in kinds:
-                held = sum(1 for r in oracle.res.values() if (kind, tier) in r)
-                assert tree.resident_pages(tier, kind) == held, (tier, kind)
+            close_one(tree, op[1])
+        check_step(tree, oracle)
 
 
 SETTINGS = settings(

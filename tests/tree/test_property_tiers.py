@@ -14,13 +14,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache.tree import HiRadixTree
-from hicache.types import ComponentKind, Tier
+from hicache.types import Tier
 
-FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
-P = 2
-WINDOW = 2  # SWA window in pages
-DEV, HOST = Tier.DEVICE, Tier.HOST
-L3 = "L3"
+from .test_property import (
+    DEV,
+    FULL,
+    HOST,
+    MAMBA,
+    SWA,
+    WINDOW,
+    Oracle,
+    P,
+    back_up_to_host,
+    check_match,
+    check_step,
+    close_one,
+    record_evicted,
+    token_bytes,
+    unlock_one,
+)
 
 pages_st = st.lists(st.sampled_from([(0, 0), (0, 0), (0, 0), (1, 0), (0, 1)]), min_size=1, max_size=7)
 op_st = st.one_of(
@@ -36,61 +48,11 @@ op_st = st.one_of(
 )
 
 
-class Oracle:
-    def __init__(self, kinds):
-        self.kinds = kinds
-        self.res: dict[tuple, dict] = {}
-        self.owner: dict = {}
-        self.locked: list = []
-        self.l3: set = set()  # (prefix, kind) written to L3
-
-    def set(self, prefix, kind, tier, pid):
-        self.res.setdefault(prefix, {})[(kind, tier)] = pid
-        self.owner[(kind, tier, pid)] = prefix
-
-    def free(self, kind, tier, pid):
-        prefix = self.owner.pop((kind, tier, pid))
-        del self.res[prefix][(kind, tier)]
-        return prefix
-
-    def drop_dead(self):
-        for prefix in [p for p, r in self.res.items() if (FULL, DEV) not in r and (FULL, HOST) not in r]:
-            for (kind, tier), pid in self.res.pop(prefix).items():
-                del self.owner[(kind, tier, pid)]
-
-    def boundary(self, pages, tiers, l3=False):
-        def has(i, kind):
-            r = self.res.get(pages[:i], {})
-            return any((kind, t) in r for t in tiers) or (l3 and (pages[:i], kind) in self.l3)
-
-        best = 0
-        for b in range(1, len(pages) + 1):
-            if not has(b, FULL):
-                break
-            ok = True
-            if SWA in self.kinds:
-                ok = all(has(i, SWA) for i in range(max(1, b - WINDOW + 1), b + 1))
-            if MAMBA in self.kinds:
-                ok = ok and has(b, MAMBA)
-            if ok:
-                best = b
-        return best
-
-    def stored(self, pages):
-        n = 0
-        while n < len(pages) and pages[: n + 1] in self.res:
-            n += 1
-        return n
-
-
 def run_sequence(kinds, ops):
     tree = HiRadixTree(P, {k: (WINDOW * P if k is SWA else 0) for k in kinds})
     oracle = Oracle(kinds)
     ids = itertools.count(1)
     locks: list = []
-
-    def token_bytes(pages):
-        return np.array([t for page in pages for t in page], dtype="<u4").tobytes()
 
     def node_prefixes(node):
         for t in (DEV, HOST):
@@ -148,21 +110,10 @@ def run_sequence(kinds, ops):
             _, spec, lock, session = op
             pages = tuple(spec)
             m = tree.match("", token_bytes(pages), lock=lock, session_id=session)
-            b0 = oracle.boundary(pages, (DEV,))
-            b1 = oracle.boundary(pages, (DEV, HOST))
+            b0, b1 = check_match(m, oracle, pages)
             b2 = oracle.boundary(pages, (DEV, HOST), l3=True)
-            assert m.device_tokens == b0 * P, (m, b0)
-            assert m.host_tokens == (b1 - b0) * P, (m, b1)
             got2 = (m.device_tokens + m.host_tokens + m.storage_tokens) // P
             assert got2 <= b2, ("storage boundary unsafe", got2, b2)
-            assert m.matched_tokens == oracle.stored(pages) * P
-            want = [oracle.res[pages[: i + 1]][(FULL, DEV)] for i in range(b0)]
-            assert m.device_pages[FULL].tolist() == want
-            if SWA in kinds:
-                want_swa = [oracle.res[pages[: i + 1]].get((SWA, DEV), -1) for i in range(b0)]
-                assert m.device_pages[SWA].tolist() == want_swa
-            if MAMBA in kinds and b0:
-                assert m.device_pages[MAMBA].tolist() == [oracle.res[pages[:b0]][(MAMBA, DEV)]]
             if m.lock is not None:
                 locks.append(m.lock)
                 oracle.locked.append((b0, b1, pages, m.lock))
@@ -172,39 +123,14 @@ def run_sequence(kinds, ops):
                 continue
 
             def back_up(victim, tier=tier, write_back=write_back):
-                if tier is not DEV or not write_back:
-                    return
-                for k, arr in victim.pages.items():
-                    if tree.is_resident(victim.node, k, HOST):
-                        continue
-                    if k is not FULL and not tree.is_resident(victim.node, FULL, HOST):
-                        continue
-                    host_ids = np.array([next(ids) for _ in arr], dtype=np.int64)
-                    tree.set_resident(victim.node, k, HOST, host_ids)
-                    for dev_pid, host_pid in zip(arr.tolist(), host_ids.tolist(), strict=True):
-                        oracle.set(oracle.owner[(k, DEV, dev_pid)], k, HOST, host_pid)
+                if tier is DEV and write_back:
+                    back_up_to_host(tree, oracle, ids, victim)
 
-            r = tree.evict(tier, kind, n, before_drop=back_up)
-            for k, arr in r.freed.items():
-                for pid in arr.tolist():
-                    prefix = oracle.free(k, tier, pid)
-                    for b0, b1, pages, _ in oracle.locked:
-                        if k is MAMBA:
-                            assert prefix not in (pages[:b0], pages[:b1]) or not prefix, "locked checkpoint evicted"
-                        else:
-                            assert not (len(prefix) <= b1 and pages[: len(prefix)] == prefix), "locked page evicted"
-            oracle.drop_dead()
+            record_evicted(tree.evict(tier, kind, n, before_drop=back_up).freed, oracle, tier)
         elif op[0] == "unlock":
-            if locks:
-                lock = locks.pop(op[1] % len(locks))
-                if lock.active:
-                    tree.unlock(lock)
-                oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
+            unlock_one(tree, oracle, locks, op[1])
         elif op[0] == "close":
-            try:
-                tree.close_session(op[1])
-            except Exception as e:
-                assert type(e).__name__ == "NotFound"
+            close_one(tree, op[1])
         elif op[0] == "copy":
             # Like the controller: copy a node's family slots that dst lacks from src.
             all_nodes = nodes()
@@ -238,11 +164,7 @@ def run_sequence(kinds, ops):
                         oracle.l3.add((oracle.owner[(k, HOST, pid)], k))
                     if not tree.is_resident(node, k, Tier.STORAGE):
                         tree.set_resident(node, k, Tier.STORAGE)
-        tree.check_integrity()
-        for tier in (DEV, HOST):
-            for kind in kinds:
-                held = sum(1 for r in oracle.res.values() if (kind, tier) in r)
-                assert tree.resident_pages(tier, kind) == held, (tier, kind, tree.resident_pages(tier, kind), held)
+        check_step(tree, oracle)
 
 
 SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, print_blob=True,
