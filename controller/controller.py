@@ -94,9 +94,9 @@ class HybridCacheController(CacheService):
             self._prober.start()
 
     def _probe_loop(self) -> None:
-        """While the breaker is open, ask the backend every `probe_interval_s` (with a
-        canary write when it had refused writes); a healthy answer closes the breaker and
-        backups resume. Otherwise ask every
+        """While the breaker is open, ask the backend every `probe_interval_s`; a healthy
+        answer closes the breaker and backups resume (while the write breaker is open, a
+        canary write every `probe_interval_s` closes it). Otherwise ask every
         `HEALTH_PROBE_S`: an idle daemon makes no L3 calls, and readiness must still see
         a required backend go down. A backend not connected at start is connected here
         every `L3_CONNECT_RETRY_S`."""
@@ -105,16 +105,23 @@ class HybridCacheController(CacheService):
             if self.l3 is None:
                 if time.monotonic() - last >= L3_CONNECT_RETRY_S:
                     last = time.monotonic()
-                    self._connect_l3()
+                    try:
+                        self._connect_l3()
+                    except Exception:  # the thread must live on: it is the only retry
+                        log.exception("L3 connect failed")
                 continue
             due = time.monotonic() - last >= HEALTH_PROBE_S
             if self.l3.breaker.is_open or due:
                 last = time.monotonic()
                 try:
-                    # (a store that refused writes proves it takes them again by a canary)
-                    self.l3.probe(deep=self.l3.refusing)
+                    self.l3.probe(deep=False)
                 except Exception:
                     log.exception("L3 probe failed")
+            if self.l3.write_breaker.is_open and not self.l3.breaker.is_open:
+                try:  # a store that refused writes proves it takes them again by a canary
+                    self.l3.probe_writes()
+                except Exception:
+                    log.exception("L3 write probe failed")
 
     def _connect_l3(self) -> None:
         try:
@@ -128,8 +135,15 @@ class HybridCacheController(CacheService):
         if self._stop.is_set():  # closing meanwhile: the pools may be gone
             backend.close()
             return
-        backend.register_host_buffer(self.host.buffer_address, self.host.buffer_size)
-        store = L3Store(backend, self.host, self.cfg.model.id, 0, self.cfg.model.tp_size)
+        try:
+            backend.register_host_buffer(self.host.buffer_address, self.host.buffer_size)
+            store = L3Store(backend, self.host, self.cfg.model.id, 0, self.cfg.model.tp_size)
+        except Exception as e:  # (e.g. Mooncake refusing the registration): retried later
+            log.warning("L3 %s: connected but not usable yet: %s", self.cfg.storage.backend.value, e)
+            self.l3_down = str(e)
+            with contextlib.suppress(Exception):
+                backend.close()
+            return
         with self._mu:
             self.l3 = store
             self.l3_down = None
@@ -265,6 +279,9 @@ class HybridCacheController(CacheService):
         with self._mu:
             self.counters["hit_tokens_storage"] += storage_tokens
             try:
+                if lock_id and m.lock is not None and not m.lock.active:  # its engine's lease lapsed during the lookup
+                    raise NotFound(f"engine {engine_id!r}: its lease expired during the match; "
+                                   "call Attach again")
                 if req.allocate_tokens is not None:
                     assert m.lock is not None
                     alloc_id, alloc_pages = self._new_allocation(
@@ -359,8 +376,16 @@ class HybridCacheController(CacheService):
         with self._mu:
             self._engines.renew(engine_id)
             if req.allocation_id:
-                record = self._engines.allocation(engine_id, req.allocation_id)
+                self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
                 grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
+                # Allocating may have waited with the mutex released: the allocation must
+                # still be there (a Release or a lapse meanwhile would orphan the pages).
+                try:
+                    record = self._engines.allocation(engine_id, req.allocation_id)
+                except NotFound:
+                    for kind, ids in grown.items():
+                        self.transfers.free_l1(kind, ids)
+                    raise
                 for kind, ids in grown.items():
                     record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
@@ -399,51 +424,56 @@ class HybridCacheController(CacheService):
             # next Insert could not tell which pages of the allocation it continues from.
             raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
         with self._mu:
-            self._engines.renew(engine_id)
-            lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
-            if lock_rec is not None and lock_rec.namespace != req.namespace:
-                raise InvalidArgument(
-                    f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
-                )
-            alloc = self._engines.allocation(engine_id, req.allocation_id) if req.allocation_id else None
-            if alloc is not None and alloc.namespace != req.namespace:
-                raise InvalidArgument(
-                    f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
-                )
-            tree_lock = lock_rec.tree_lock if lock_rec else None
-            if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
-                raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
-            begin = self.tree.depth_tokens(tree_lock.device_end if tree_lock else None) // self._ps
-            total = len(req.tokens) // self._pb
-            need = total - begin
-            pages: dict[ComponentKind, np.ndarray] = {}
-            if need > 0:
-                if alloc is None:
-                    raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
-                lo = begin - alloc.start_page
-                have = len(alloc.pages[self._paged[0]])
-                if lo < 0 or lo + need > have:
-                    raise InvalidArgument(
-                        f"allocation {req.allocation_id} covers token pages "
-                        f"[{alloc.start_page}, {alloc.start_page + have}); insert needs [{begin}, {total})"
-                    )
-                pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
-            slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
-            session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
             # A continuing request gets a private copy of the checkpoint it hands over
-            # (copy-on-write): its slot is taken first, so that no room for it fails the
-            # call before anything was committed.
+            # (copy-on-write). Its slot is taken before anything else: taking it may wait
+            # for queued copies with the mutex released, so every handle is looked up
+            # (and must still exist) after that, and no room fails the call before
+            # anything was committed.
             fresh = (int(self.transfers.allocate_l1(MAMBA, 1)[0])
-                     if slot is not None and req.keep_lock else None)
+                     if req.keep_lock and req.mamba_checkpoint and MAMBA in self._kinds else None)
+            committed = False
             try:
+                self._engines.renew(engine_id)
+                lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
+                if lock_rec is not None and lock_rec.namespace != req.namespace:
+                    raise InvalidArgument(
+                        f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
+                    )
+                alloc = (self._engines.allocation(engine_id, req.allocation_id)
+                         if req.allocation_id else None)
+                if alloc is not None and alloc.namespace != req.namespace:
+                    raise InvalidArgument(
+                        f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
+                    )
+                tree_lock = lock_rec.tree_lock if lock_rec else None
+                if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
+                    raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
+                begin = self.tree.depth_tokens(tree_lock.device_end if tree_lock else None) // self._ps
+                total = len(req.tokens) // self._pb
+                need = total - begin
+                pages: dict[ComponentKind, np.ndarray] = {}
+                if need > 0:
+                    if alloc is None:
+                        raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
+                    lo = begin - alloc.start_page
+                    have = len(alloc.pages[self._paged[0]])
+                    if lo < 0 or lo + need > have:
+                        raise InvalidArgument(
+                            f"allocation {req.allocation_id} covers token pages [{alloc.start_page}, "
+                            f"{alloc.start_page + have}); insert needs [{begin}, {total})"
+                        )
+                    pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
+                slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
+                session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
                 result = self.tree.insert(
                     req.namespace, req.tokens, pages, lock=tree_lock, keep_lock=req.keep_lock,
                     mamba_slot=slot, session_id=session,
                 )
-            except BaseException:
-                if fresh is not None:
+                committed = True
+            finally:
+                if fresh is not None and (not committed or slot is None):
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
-                raise
+                    fresh = None
             for kind, ids in result.released.items():
                 if req.keep_lock and alloc is not None and kind in alloc.pages:
                     # The request goes on reading these (its block table points at them):

@@ -42,9 +42,10 @@ class L3Store:
         self.breaker = breaker or CircuitBreaker()
         self.cache = cache or ExistenceCache()
         self.errors = 0
-        # The last put the store answered refused objects: only a canary write (a deep
-        # probe) then tells that it takes writes again; a ping would close the breaker.
-        self.refusing = False
+        # Writes the store answered but refused (full, no eviction; a restarted master not
+        # ready yet) trip this breaker only: backups stop, reads and lookups go on (a full
+        # store still serves all it holds). The prober's canary write closes it.
+        self.write_breaker = CircuitBreaker()
         self.last_health: BackendHealth | None = None
         self.latency = L3OpRecorder(backend.name)
 
@@ -117,6 +118,8 @@ class L3Store:
         """One backend batch over the page objects of `host_ids`, through the breaker."""
         if not self.breaker.allow():
             raise BreakerOpen(f"{self.name}: circuit breaker open")
+        if op is L3Op.PUT and not self.write_breaker.allow():
+            raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]
         buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]
@@ -126,18 +129,29 @@ class L3Store:
         except BackendUnavailable as e:
             self._failed(e)
             raise
-        if op is L3Op.PUT and PutStatus.FAILED in statuses:
-            # The store answered but refused objects (full, no eviction; a restarted
-            # master not ready yet): a failure for the breaker, so that a store refusing
-            # every write opens it and queued backups stop retrying, until the prober's
-            # canary write goes through again.
-            self.refusing = True
-            self.breaker.failure()
-        else:
-            if op is L3Op.PUT:
-                self.refusing = False
-            self.breaker.success()
+        self.breaker.success()  # (it answered)
+        if op is L3Op.PUT:
+            if PutStatus.FAILED in statuses:
+                self.write_breaker.failure()
+            else:
+                self.write_breaker.success()
         return keys, statuses
+
+    @property
+    def takes_writes(self) -> bool:
+        """False while the write breaker is open (backups are dropped, not queued)."""
+        return not self.breaker.is_open and not self.write_breaker.is_open
+
+    def probe_writes(self) -> bool:
+        """A canary write/read/delete now (`health(deep=True)`); closes the write breaker
+        when it succeeds. Leaves the read breaker alone: a full store still serves."""
+        t0 = time.perf_counter()
+        health = self.backend.health(True)
+        self.latency.record(L3Op.PROBE_DEEP, L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
+                            time.perf_counter() - t0)
+        if health.healthy:
+            self.write_breaker.success()
+        return health.healthy
 
     def probe(self, deep: bool = False) -> BackendHealth:
         """Ask the backend's health now (timed; an unhealthy answer counts as UNAVAILABLE)."""
@@ -149,7 +163,7 @@ class L3Store:
         self.last_health = health
         if health.healthy:
             if deep:
-                self.refusing = False
+                self.write_breaker.success()
             self.breaker.success()
         else:
             self.breaker.failure()

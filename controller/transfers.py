@@ -302,7 +302,7 @@ class Transfers:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
             release(len(hashes) // PAGE_HASH_BYTES)
 
-        if self.ctl.l3.breaker.is_open or not self.backup_worker.submit(
+        if not self.ctl.l3.takes_writes or not self.backup_worker.submit(
             Job("write-back", run, lambda _e: release())
         ):
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
@@ -585,7 +585,7 @@ class Transfers:
         if id(node) in self._queued_l3:
             return
         hashes = self.tree.page_hashes(node)
-        if l3.breaker.is_open:
+        if not l3.takes_writes:
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             return
         namespace = self.tree.namespace_of(node)
@@ -635,7 +635,7 @@ class Transfers:
             # A MAMBA checkpoint is at the node's end; an SWA slot may be its node's tail.
             targets = page_hashes[len(page_hashes) - len(ids) :]
             stored = l3.write(namespace, targets, members, ids)
-            if stored < len(targets):  # retried; refusals count against the breaker
+            if stored < len(targets):  # retried; refusals count against the write breaker
                 raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
 
     # ------------------------------------------------------------------ load

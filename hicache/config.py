@@ -564,8 +564,16 @@ class _StrictLoader(yaml.SafeLoader):
 def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _value in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` is not a key of its own
+            continue
         key = loader.construct_object(key_node)
-        if key in seen:
+        try:
+            duplicate = key in seen
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"found an unhashable key ({type(key).__name__})", key_node.start_mark
+            ) from None
+        if duplicate:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark
             )

@@ -255,3 +255,14 @@ def test_a_sidecar_size_its_anchor_does_not_use_is_refused() -> None:
 def test_an_unquoted_socket_mode_gets_a_quoting_hint() -> None:
     with pytest.raises(ConfigError, match="quote it"):
         build("server: {socket_mode: 0660}\n")
+
+
+def test_yaml_merge_keys_still_work_and_an_unhashable_key_is_a_configuration_error() -> None:
+    text = (
+        "model:\n"
+        "  sidecars:\n"
+        "    indexer: {<<: &geom {layers: 2, bytes_per_token_per_layer: 8}, anchor: full}\n"
+    )
+    assert build(text).model.sidecars["indexer"].layers == 2
+    with pytest.raises(ConfigError, match="unhashable key"):
+        build("? {a: 1}\n: 2\n")

@@ -111,3 +111,34 @@ def test_an_l3_down_at_start_is_reported_and_connected_when_it_comes_up(
         ctl.check_integrity()
     finally:
         ctl.close()
+
+
+def test_a_backend_that_fails_to_register_is_retried_not_fatal(tmp_path, redis_factory, monkeypatch) -> None:
+    """Connecting an L3 that came up late can fail one step further (Mooncake refusing the
+    buffer registration): the connect thread lives on and retries."""
+    import hicache.controller.controller as controller_module
+    from hicache.tiers.storage.redis import RedisBackend
+
+    monkeypatch.setattr(controller_module, "L3_CONNECT_RETRY_S", 0.1)
+    server = redis_factory()
+    server.stop()
+    cfg = tiny_config(tmp_path, backend="redis", storage__redis={"url": server.url},
+                      storage__timeout_s=0.5)
+    ctl = build_controller(cfg, f"faultg{int(time.time() * 1000) % 100000}")
+    try:
+        ctl.probe_interval_s = 0.05
+        failures = [1]
+        register = RedisBackend.register_host_buffer
+
+        def flaky(self, address, size):
+            if failures:
+                failures.pop()
+                raise RuntimeError("registration refused")
+            return register(self, address, size)
+
+        monkeypatch.setattr(RedisBackend, "register_host_buffer", flaky)
+        server.start()
+        assert wait_for(lambda: ctl.l3 is not None), "never connected"
+        assert not failures and ctl._prober.is_alive()
+    finally:
+        ctl.close()

@@ -256,28 +256,31 @@ def test_an_open_breaker_reports_nothing_in_l3_and_starts_no_prefetch(make) -> N
     ctl.release("e1", p.lock_id, None)
 
 
-def test_a_store_refusing_every_write_opens_the_breaker(make) -> None:
-    """Puts the store answers but refuses count as breaker failures: a store that refuses
-    everything (full, no eviction) opens it, so queued backups stop retrying (each held
-    its L2 pages ~6 s) until the prober's canary write succeeds again."""
+def test_a_store_refusing_every_write_opens_the_write_breaker_only(make) -> None:
+    """Puts the store answers but refuses trip the write breaker: backups stop (each held
+    its L2 pages ~6 s retrying), while lookups and reads go on, since a full store still
+    serves what it holds; the prober's canary write closes it again."""
     from hicache.tiers.storage.base import PutStatus
 
     ctl = make(write__l2_to_l3="write_through")
+    ctl.attach("e1", 0, 1)
+    held = seq(4, 9_000)
+    _only_in_l3(ctl, "e1", held)  # in L3 before the store fills up
     ctl.probe_interval_s = 3600
     backend = ctl.l3.backend
-    refusing = lambda keys, buffers: [PutStatus.FAILED] * len(keys)  # noqa: E731
     original = backend.put_from
-    backend.put_from = refusing
+    backend.put_from = lambda keys, buffers: [PutStatus.FAILED] * len(keys)
     try:
-        eng_tokens = [seq(4, 1000 * i) for i in range(4)]
-        ctl.attach("e1", 0, 1)
-        for tokens in eng_tokens:
+        for i in range(4):
+            tokens = seq(4, 1000 * i)
             m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
             ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
         assert ctl.transfers.drain(15)
-        assert ctl.l3.breaker.is_open
+        assert ctl.l3.write_breaker.is_open and not ctl.l3.breaker.is_open
+        assert ctl.match("e1", MatchRequest("", held)).storage_tokens == 16  # still served
     finally:
         backend.put_from = original
+    assert ctl.l3.probe_writes() and not ctl.l3.write_breaker.is_open
 
 
 def test_only_the_engine_that_started_a_prefetch_may_ask_about_it(make) -> None:
@@ -313,3 +316,96 @@ def test_an_allocation_extending_a_lock_of_another_namespace_is_refused(make) ->
     with pytest.raises(InvalidArgument, match="does not match lock"):
         ctl.allocate("e1", AllocateRequest("ns-b", 8, lock_id=m.lock_id))
     ctl.release("e1", m.lock_id, None)
+
+
+def _fill_and_queue_a_held_copy(ctl, kind: ComponentKind) -> list[int]:
+    """Every free page of `kind` taken, and one L1->L2 copy queued but held (an RPC under
+    way): an allocation of `kind` then waits for copies with the mutex released."""
+    q = ctl.match("e1", MatchRequest("", seq(2, 5000), lock=True, allocate_tokens=8))
+    held: list[int] = []
+    if kind is ComponentKind.MAMBA:
+        with pytest.raises(ResourceExhausted):
+            while True:
+                held.append(ctl.allocate("e1", AllocateRequest("", 4)).allocation_id)
+    else:
+        held.append(ctl.allocate("e1", AllocateRequest("", ctl.device.allocator(FULL).free_count * 4))
+                    .allocation_id)
+    with ctl._mu:
+        ctl.transfers.hold_flushes()
+    ctl.insert("e1", InsertRequest("", seq(2, 5000), lock_id=q.lock_id, allocation_id=q.allocation_id,
+                                   keep_lock=True))
+    held.append(q.allocation_id)
+    ctl.release("e1", q.lock_id, None)
+    return held
+
+
+def _released_while_waiting(ctl, allocation_id: int, call) -> Exception | None:
+    """Run `call` holding the mutex while another thread waits to release
+    `allocation_id`: it gets in when `call` waits for copies (the engine gave up)."""
+    ctl._mu.acquire()
+    t = threading.Thread(target=lambda: ctl.release("e1", None, allocation_id))
+    t.start()
+    time.sleep(0.2)
+    try:
+        call()
+        return None
+    except Exception as e:
+        return e
+    finally:
+        ctl._mu.release()
+        t.join()
+
+
+def test_an_insert_that_waits_for_a_checkpoint_slot_commits_no_released_pages(make) -> None:
+    """Taking the request's private MAMBA slot may wait (mutex released); a Release of
+    the allocation meanwhile: the insert then finds it gone (it committed pages the
+    allocator had freed, which the next allocation handed out again)."""
+    ctl = make(hybrid=True, storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    prompt = seq(2, 1000)
+    r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=12))
+    held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
+    err = _released_while_waiting(ctl, r.allocation_id, lambda: ctl.insert("e1", InsertRequest(
+        "", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id, keep_lock=True,
+        mamba_checkpoint=True)))
+    assert isinstance(err, NotFound), err
+    assert ctl.match("e1", MatchRequest("", prompt)).device_tokens == 0
+    for allocation in held:
+        ctl.release("e1", None, allocation)
+    ctl.release("e1", r.lock_id, None)
+
+
+def test_growth_that_waits_for_room_leaves_no_pages_in_a_released_allocation(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    r = ctl.allocate("e1", AllocateRequest("", 4))
+    held = _fill_and_queue_a_held_copy(ctl, FULL)
+    err = _released_while_waiting(ctl, r.allocation_id, lambda: ctl.allocate(
+        "e1", AllocateRequest("", 4, allocation_id=r.allocation_id)))
+    assert isinstance(err, NotFound), err
+    for allocation in held:
+        ctl.release("e1", None, allocation)
+    assert ctl.transfers.drain(5)  # the fixture's ownership audit finds no orphan
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_lease_that_lapses_during_the_l3_lookup_returns_no_dead_lock(make, prefetch: bool) -> None:
+    ctl = make()
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    lookup = ctl.prefetcher.l3_run
+
+    def lapsing_lookup(*args, **kwargs):  # the lookup runs without the mutex
+        with ctl._mu:
+            ctl._engines._engines["e1"].expires_at = 0
+        ctl.expire_leases()
+        return lookup(*args, **kwargs)
+
+    ctl.prefetcher.l3_run = lapsing_lookup
+    with pytest.raises(NotFound, match="lease expired"):
+        ctl.match("e1", MatchRequest("", tokens + seq(4, 9000), lock=True, prefetch=prefetch))
+    ctl.prefetcher.l3_run = lookup
+    assert ctl.transfers.drain(5)
+    assert ctl.tree.active_locks == 0

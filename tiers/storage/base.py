@@ -200,27 +200,33 @@ class StorageBackend(abc.ABC):
         _check_batch(keys, buffers)
         if not keys:
             return []
-        first: dict[str, int] = {}
+        # Each (key, buffer size) is read once, into the first such buffer, and copied into
+        # the others: a client may fill only one buffer of a key given twice in a batch
+        # (Mooncake does), so a key needed at two sizes goes in two batches.
+        first: dict[tuple[str, int], int] = {}
         for i, key in enumerate(keys):
-            first.setdefault(key, i)
-        if len(first) == len(keys):
+            first.setdefault((key, buffers[i].nbytes), i)
+        if len(first) == len(keys) and len({key for key, _ in first}) == len(keys):
             sizes = self._fetch_objects(keys, buffers)
         else:
-            # Each key once (a client may fill only one buffer of a key given twice),
-            # then copied into its other buffers.
-            unique = list(first.values())
-            got = self._fetch_objects([keys[i] for i in unique], [buffers[i] for i in unique])
-            by_key = dict(zip((keys[i] for i in unique), got, strict=True))
+            batches: list[list[int]] = []
+            seen: dict[str, int] = {}
+            for (key, _), i in first.items():
+                n = seen.get(key, 0)
+                seen[key] = n + 1
+                if n == len(batches):
+                    batches.append([])
+                batches[n].append(i)
+            got: dict[int, int] = {}
+            for batch in batches:
+                got.update(zip(batch, self._fetch_objects([keys[i] for i in batch],
+                                                          [buffers[i] for i in batch]), strict=True))
             sizes = []
             for i, key in enumerate(keys):
-                j, size = first[key], by_key[key]
-                if j != i and size != MISSING:
-                    if buffers[i].nbytes == buffers[j].nbytes:
-                        buffers[i][:] = buffers[j]
-                    else:  # not read into: judged by the stored size (corrupt), never removed
-                        buffers[i][:] = 0
-                        size = buffers[j].nbytes if size == VERIFIED else size
-                sizes.append(size)
+                j = first[(key, buffers[i].nbytes)]
+                if j != i and got[j] != MISSING:
+                    buffers[i][:] = buffers[j]
+                sizes.append(got[j])
         out: list[GetStatus] = []
         hits = corrupt = nbytes = 0
         broken: list[str] = []  # corrupt objects of ours: removed below

@@ -263,6 +263,20 @@ def test_a_key_repeated_in_a_get_batch_fills_each_of_its_buffers(store: Store) -
     assert store.counted("corrupt") == 0 and backend.exists_prefix([a, b]) == 2
 
 
+def test_a_repeated_key_with_a_buffer_of_another_size_removes_nothing(store: Store) -> None:
+    """The repeat that is not read into (its buffer has another size) is corrupt to its
+    reader, but never taken for a corrupt object of ours (it removed the good object)."""
+    backend = store.backend
+    src = Pool(1, seed=14).register(backend)
+    small = Pool(1, payload=1024, seed=None).register(backend)
+    (k,) = keys(1)
+    backend.put_from([k], src.slots())
+    dst = Pool(1, seed=None).register(backend)
+    assert backend.get_into([k, k], [small.slots()[0], dst.slots()[0]]) == [GetStatus.CORRUPT,
+                                                                           GetStatus.HIT]
+    assert store.counted("corrupt_removed") == 0 and backend.exists_prefix([k]) == 1
+
+
 def test_a_truncated_object_of_ours_is_removed(store: Store) -> None:
     """Our header, our key and our length but fewer bytes stored (a torn write): removed
     like any corrupt object of ours, so that a good copy can replace it."""
