@@ -278,16 +278,24 @@ class HybridCacheController(CacheService):
         alloc_pages: PagesByMember = {}
         with self._mu:
             self.counters["hit_tokens_storage"] += storage_tokens
-            try:
-                if lock_id and m.lock is not None and not m.lock.active:  # its engine's lease lapsed during the lookup
+            def lock_alive() -> None:
+                # The mutex was free during the L3 lookup (and may be while allocating):
+                # an engine whose lease lapsed meanwhile gets no handles.
+                if lock_id and m.lock is not None and not m.lock.active:
                     raise NotFound(f"engine {engine_id!r}: its lease expired during the match; "
                                    "call Attach again")
+
+            def start() -> tuple[int, np.ndarray | None]:
+                lock_alive()
+                return m.device_tokens // self._ps, m.device_pages.get(MAMBA)
+
+            try:
+                lock_alive()
                 if req.allocate_tokens is not None:
                     assert m.lock is not None
                     alloc_id, alloc_pages = self._new_allocation(
-                        engine_id, req.namespace, m.device_tokens // self._ps,
-                        max(0, req.allocate_tokens - m.device_tokens),
-                        lock_id, m.device_pages.get(MAMBA),
+                        engine_id, req.namespace, max(0, req.allocate_tokens - m.device_tokens),
+                        lock_id, start,
                     )
                 # `base` (the storage boundary) lies beyond the lock when a hybrid model's
                 # window or checkpoint is only in L3: an eviction while the mutex was free
@@ -300,12 +308,14 @@ class HybridCacheController(CacheService):
                                                            beyond, to_l1=in_l1, owner=engine_id)
                     if prefetch_id and lock_id:
                         self._prefetch_of_lock[lock_id] = prefetch_id
+                lock_alive()
             except BaseException:
                 # The caller gets an error, never these handles: nothing may stay held (a
                 # prefetch started is cancelled; what arrives still lands, for later).
                 op = self.prefetcher.get(prefetch_id) if prefetch_id else None
                 if op is not None:
                     op.cancel()
+                self._prefetch_of_lock.pop(lock_id, None)
                 if lock_id or alloc_id:
                     with contextlib.suppress(NotFound):  # lease lapsed: released with it
                         self.release(engine_id, lock_id or None, alloc_id or None)
@@ -351,10 +361,19 @@ class HybridCacheController(CacheService):
             raise
         return got, slot
 
-    def _new_allocation(self, engine_id: str, namespace: str, start_page: int, tokens: int,
-                        lock_id: int | None, checkpoint: np.ndarray | None) -> tuple[int, PagesByMember]:
+    def _new_allocation(self, engine_id: str, namespace: str, tokens: int, lock_id: int | None,
+                        start: Callable[[], tuple[int, np.ndarray | None]]) -> tuple[int, PagesByMember]:
+        """A new allocation of `tokens`. Allocating may wait for queued copies with the
+        mutex released, so what it continues is read only afterwards: `start()` gives the
+        token page it starts at and the checkpoint to copy (or raises NotFound, the lock
+        it extends being gone meanwhile; the pages are then freed)."""
         n = -(-tokens // self._ps)
         pages, slot = self._allocate_family(n, MAMBA in self._kinds)
+        try:
+            start_page, checkpoint = start()
+        except BaseException:
+            self._free_allocation(AllocationRecord(engine_id, namespace, 0, pages, slot))
+            raise
         if slot is not None and checkpoint is not None and len(checkpoint):
             self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
         record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
@@ -389,19 +408,24 @@ class HybridCacheController(CacheService):
                 for kind, ids in grown.items():
                     record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
-            start, checkpoint = 0, None
             if req.lock_id:
                 record = self._engines.lock(engine_id, req.lock_id)
                 if record.namespace != req.namespace:
                     raise InvalidArgument(
                         f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
                     )
-                lock = record.tree_lock
-                start = self.tree.depth_tokens(lock.device_end) // self._ps
+
+            def start() -> tuple[int, np.ndarray | None]:
+                if not req.lock_id:
+                    return 0, None
+                lock = self._engines.lock(engine_id, req.lock_id).tree_lock  # (still held?)
+                checkpoint = None
                 if lock.device_end is not None and MAMBA in self._kinds:
                     checkpoint = self.tree.pages_of(lock.device_end, MAMBA, Tier.DEVICE)
+                return self.tree.depth_tokens(lock.device_end) // self._ps, checkpoint
+
             alloc_id, pages = self._new_allocation(
-                engine_id, req.namespace, start, req.num_tokens, req.lock_id or None, checkpoint
+                engine_id, req.namespace, req.num_tokens, req.lock_id or None, start
             )
             return AllocationInfo(alloc_id, pages)
 
@@ -425,12 +449,16 @@ class HybridCacheController(CacheService):
             raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
         with self._mu:
             # A continuing request gets a private copy of the checkpoint it hands over
-            # (copy-on-write). Its slot is taken before anything else: taking it may wait
-            # for queued copies with the mutex released, so every handle is looked up
-            # (and must still exist) after that, and no room fails the call before
-            # anything was committed.
-            fresh = (int(self.transfers.allocate_l1(MAMBA, 1)[0])
-                     if req.keep_lock and req.mamba_checkpoint and MAMBA in self._kinds else None)
+            # (copy-on-write). Its slot is taken before anything is committed (no room
+            # fails the call with nothing changed); taking it may wait for queued copies
+            # with the mutex released, so the handles are checked before (for the right
+            # status codes) and looked up again after.
+            fresh = None
+            if req.keep_lock and req.mamba_checkpoint and MAMBA in self._kinds and req.allocation_id:
+                self._engines.renew(engine_id)
+                self._engines.lock(engine_id, req.lock_id or 0)
+                if self._engines.allocation(engine_id, req.allocation_id).mamba_slot is not None:
+                    fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
             committed = False
             try:
                 self._engines.renew(engine_id)

@@ -179,7 +179,10 @@ class Prefetcher:
         host: dict[ComponentKind, np.ndarray] = {}
         try:
             for kind in self.ctl._kinds:
-                host[kind] = self.ctl.transfers.allocate_l2(kind, 1 if kind is MAMBA else n)
+                # Never waiting for queued copies: the caller's MatchPrefix would wait with
+                # it (and the mutex would be free meanwhile). No room: no prefetch.
+                host[kind] = self.ctl.transfers.allocate_l2(kind, 1 if kind is MAMBA else n,
+                                                            wait=False)
         except ResourceExhausted:
             for kind, ids in host.items():
                 self.ctl.transfers.free_l2(kind, ids)

@@ -176,8 +176,12 @@ class Transfers:
         pages leave no room."""
         return self._allocate(Tier.DEVICE, kind, n)
 
-    def allocate_l2(self, kind: ComponentKind, n: int) -> np.ndarray:
-        return self._allocate(Tier.HOST, kind, n)
+    def allocate_l2(self, kind: ComponentKind, n: int, wait: bool = True) -> np.ndarray:
+        """`n` L2 pages of `kind`, evicting to make room; with `wait=False` never waiting
+        (with the mutex released) for queued copies or held pages to free some."""
+        if wait:
+            return self._allocate(Tier.HOST, kind, n)
+        return self._allocate(Tier.HOST, kind, n, wait_for_copies=False, wait_s=0.0)
 
     def _allocate(self, tier: Tier, kind: ComponentKind, n: int, *,
                   wait_for_copies: bool = True, wait_s: float = BACKPRESSURE_S) -> np.ndarray:

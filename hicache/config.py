@@ -558,30 +558,35 @@ def load_config(
 
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
-    last one silently: a second `storage:` section would drop the first)."""
+    last one silently: a second `storage:` section would drop the first). Each mapping's
+    own keys are checked once, before merge keys (`<<: *anchor`) are folded into it:
+    PyYAML rewrites a merged node in place, so checking after would see its merged
+    keys again, and a mapping only ever merged would never be checked."""
 
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
 
-def _mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _value in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` is not a key of its own
-            continue
-        key = loader.construct_object(key_node)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"found an unhashable key ({type(key).__name__})", key_node.start_mark
-            ) from None
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: set[Any] = set()
+            for key_node, _value in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
+                try:
+                    duplicate = key in seen
+                except TypeError:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"found an unhashable key ({type(key).__name__})", key_node.start_mark
+                    ) from None
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+        super().flatten_mapping(node)  # type: ignore[no-untyped-call]
 
 
 def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:

@@ -266,3 +266,19 @@ def test_yaml_merge_keys_still_work_and_an_unhashable_key_is_a_configuration_err
     assert build(text).model.sidecars["indexer"].layers == 2
     with pytest.raises(ConfigError, match="unhashable key"):
         build("? {a: 1}\n: 2\n")
+
+
+def test_a_merged_then_aliased_mapping_is_accepted_and_a_merged_duplicate_refused() -> None:
+    import yaml
+
+    text = (
+        "model:\n"
+        "  sidecars:\n"
+        "    indexer: {<<: &side {<<: &base {anchor: full, layers: 2, bytes_per_token_per_layer: 8},"
+        " bytes_per_token_per_layer: 2}, layers: 1}\n"
+        "    scale: *side\n"
+    )
+    assert parse_yaml(text) == yaml.safe_load(text)
+    assert build(text).model.sidecars["scale"].bytes_per_token_per_layer == 2
+    with pytest.raises(ConfigError, match="duplicate key"):
+        parse_yaml("model: {<<: {page_size: 4, page_size: 8}}\n")

@@ -341,9 +341,25 @@ def _fill_and_queue_a_held_copy(ctl, kind: ComponentKind) -> list[int]:
 
 def _released_while_waiting(ctl, allocation_id: int, call) -> Exception | None:
     """Run `call` holding the mutex while another thread waits to release
-    `allocation_id`: it gets in when `call` waits for copies (the engine gave up)."""
+    `allocation_id`: it gets in when `call` waits for copies (the engine gave up). The
+    queued copy lands only after that release, so room cannot come from it first."""
+    released = threading.Event()
+    copier = ctl.transfers.copier
+    original = copier.device_to_host
+
+    def gated(*args, **kwargs):
+        released.wait(10)
+        return original(*args, **kwargs)
+
+    def release() -> None:
+        try:
+            ctl.release("e1", None, allocation_id)
+        finally:
+            released.set()
+
+    copier.device_to_host = gated
     ctl._mu.acquire()
-    t = threading.Thread(target=lambda: ctl.release("e1", None, allocation_id))
+    t = threading.Thread(target=release)
     t.start()
     time.sleep(0.2)
     try:
@@ -354,6 +370,7 @@ def _released_while_waiting(ctl, allocation_id: int, call) -> Exception | None:
     finally:
         ctl._mu.release()
         t.join()
+        copier.device_to_host = original
 
 
 def test_an_insert_that_waits_for_a_checkpoint_slot_commits_no_released_pages(make) -> None:
@@ -409,3 +426,143 @@ def test_a_lease_that_lapses_during_the_l3_lookup_returns_no_dead_lock(make, pre
     ctl.prefetcher.l3_run = lookup
     assert ctl.transfers.drain(5)
     assert ctl.tree.active_locks == 0
+
+
+
+
+
+
+
+
+
+def _checkpoint_then_no_slot_left(ctl):
+    ctl.attach("e1", 0, 1)
+    prompt = seq(2, 1000)
+    r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
+    ctl.insert("e1", InsertRequest("", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id,
+                                   mamba_checkpoint=True))
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True))  # holds the path, checkpoint in L1
+    assert m.device_tokens == 8
+    held = []
+    with pytest.raises(ResourceExhausted):  # every MAMBA slot taken by allocations
+        while True:
+            held.append(ctl.allocate("e1", AllocateRequest("", 4)).allocation_id)
+    return prompt, m, held
+
+
+def _release_all(ctl, m, held):
+    for a in held:
+        ctl.release("e1", None, a)
+    ctl.release("e1", m.lock_id, None)
+
+
+def test_with_no_checkpoint_slot_left_a_stale_allocation_is_still_not_found(make) -> None:
+    ctl = make(hybrid=True, storage__backend="none")
+    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
+    try:
+        with pytest.raises(NotFound):
+            ctl.insert("e1", InsertRequest("", prompt + seq(1, 7), lock_id=m.lock_id,
+                                           allocation_id=987654, keep_lock=True,
+                                           mamba_checkpoint=True))
+    finally:
+        _release_all(ctl, m, held)
+
+
+def test_with_no_checkpoint_slot_left_an_unattached_engine_is_still_told_so(make) -> None:
+    ctl = make(hybrid=True, storage__backend="none")
+    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
+    try:
+        with pytest.raises((NotFound, FailedPrecondition)):  # (what renew() raises)
+            ctl.insert("nobody", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
+                                               mamba_checkpoint=True))
+    finally:
+        _release_all(ctl, m, held)
+
+
+def test_a_keep_lock_insert_without_an_allocation_needs_no_checkpoint_slot(make) -> None:
+    ctl = make(hybrid=True, storage__backend="none")
+    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
+    try:  # nothing new to commit: the previous commit answered (no slot was needed)
+        out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
+                                             mamba_checkpoint=True))
+        assert out.reused_tokens == 8
+    finally:
+        _release_all(ctl, m, held)
+
+
+def test_allocating_against_a_lock_released_while_waiting_is_not_found(make) -> None:
+    """Allocating may wait (mutex released): the lock it extends is looked up again after,
+    and its checkpoint read only then (it extended a released lock, copying a checkpoint
+    slot nothing held any more)."""
+    ctl = make(hybrid=True, storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    prompt = seq(2, 1000)
+    r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
+    ctl.insert("e1", InsertRequest("", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id,
+                                   mamba_checkpoint=True))
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True))
+    assert ctl.transfers.drain(5)
+    held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
+    ctl._mu.acquire()
+    t = threading.Thread(target=lambda: ctl.release("e1", m.lock_id, None))
+    t.start()
+    time.sleep(0.2)
+    try:
+        with pytest.raises(NotFound):
+            ctl.allocate("e1", AllocateRequest("", 4, lock_id=m.lock_id))
+    finally:
+        ctl._mu.release()
+        t.join()
+    for allocation in held:
+        ctl.release("e1", None, allocation)
+
+
+def test_a_refused_write_does_not_spend_the_read_breakers_probe(make) -> None:
+    from hicache.controller.workers import BreakerOpen
+    from hicache.keys import PAGE_HASH_BYTES
+
+    ctl = make()
+    ctl.probe_interval_s = 3600
+    time.sleep(0.7)  # the prober now sleeps for an hour
+    l3 = ctl.l3
+    members = ctl.cfg.model.family(FULL)
+    hashes = [bytes([i]) * PAGE_HASH_BYTES for i in range(2)]
+    host_ids = np.array([0, 1], dtype=np.int64)
+    for breaker in (l3.breaker, l3.write_breaker):
+        for _ in range(3):
+            breaker.failure()
+    l3.breaker._opened_at = time.monotonic() - 10  # the read breaker: half-open
+    l3.write_breaker._opened_at = time.monotonic()  # the write breaker: just tripped
+    with pytest.raises(BreakerOpen, match="write breaker"):
+        l3.write("", hashes, members, host_ids)
+    calls = l3.backend.stats().gets
+    assert l3.read("", hashes, members, host_ids) == 0  # the read is the probe: it reached the store
+    assert l3.backend.stats().gets == calls + 2
+
+
+def test_a_lease_that_lapses_while_the_prefetch_is_set_up_returns_no_handles(make) -> None:
+    """The last check comes after the prefetch and the allocation are set up (either
+    could have let the mutex go): a lapse there cancels them and answers NOT_FOUND."""
+    ctl = make(write__l2_to_l3="write_through")
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    longer = tokens + seq(4, 9000)
+    _only_in_l3(ctl, "e1", longer)
+    real = ctl.transfers.allocate_l2
+    fired: list[int] = []
+
+    def lapsing_allocate_l2(kind, n, **kwargs):
+        if not fired:
+            fired.append(1)
+            ctl._engines._engines["e1"].expires_at = 0
+            ctl.expire_leases()
+        return real(kind, n, **kwargs)
+
+    ctl.transfers.allocate_l2 = lapsing_allocate_l2
+    try:
+        with pytest.raises(NotFound):
+            ctl.match("e1", MatchRequest("", longer, lock=True, prefetch=True, allocate_tokens=32))
+    finally:
+        ctl.transfers.allocate_l2 = real
+    assert fired and not ctl._prefetch_of_lock
+    assert ctl.transfers.drain(5)
