@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -58,6 +59,19 @@ L3_CONNECT_RETRY_S = 5.0  # a configured L3 that could not be reached at start i
 
 def _nothing() -> None:
     """The release of a hold that was not granted."""
+
+
+@dataclass(frozen=True)
+class _InsertPlan:
+    """What an Insert commits, as checked against its handles (`_insert_plan`)."""
+
+    lock: LockRecord | None
+    alloc: AllocationRecord | None
+    begin: int  # token page the inserted span starts at
+    need: int  # pages of it the allocation provides
+    pages: dict[ComponentKind, np.ndarray]
+    slot: int | None  # the MAMBA checkpoint handed over
+    session: str | None
 
 
 class HybridCacheController(CacheService):
@@ -441,6 +455,42 @@ class HybridCacheController(CacheService):
 
     # ------------------------------------------------------------------ insert / release
 
+    def _insert_plan(self, engine_id: str, req: InsertRequest) -> _InsertPlan:
+        """Check an Insert against its handles (caller holds the mutex) and work out what
+        it commits; raises for every error of the request's own, changing nothing."""
+        self._engines.renew(engine_id)
+        lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
+        if lock_rec is not None and lock_rec.namespace != req.namespace:
+            raise InvalidArgument(
+                f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
+            )
+        alloc = self._engines.allocation(engine_id, req.allocation_id) if req.allocation_id else None
+        if alloc is not None and alloc.namespace != req.namespace:
+            raise InvalidArgument(
+                f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
+            )
+        tree_lock = lock_rec.tree_lock if lock_rec else None
+        if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
+            raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
+        begin = self.tree.depth_tokens(tree_lock.device_end if tree_lock else None) // self._ps
+        total = len(req.tokens) // self._pb
+        need = total - begin
+        pages: dict[ComponentKind, np.ndarray] = {}
+        if need > 0:
+            if alloc is None:
+                raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
+            lo = begin - alloc.start_page
+            have = len(alloc.pages[self._paged[0]])
+            if lo < 0 or lo + need > have:
+                raise InvalidArgument(
+                    f"allocation {req.allocation_id} covers token pages [{alloc.start_page}, "
+                    f"{alloc.start_page + have}); insert needs [{begin}, {total})"
+                )
+            pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
+        slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
+        session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
+        return _InsertPlan(lock_rec, alloc, begin, need, pages, slot, session)
+
     def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
         self._check_tokens(req.tokens)
         if req.keep_lock and not req.lock_id:
@@ -448,60 +498,33 @@ class HybridCacheController(CacheService):
             # next Insert could not tell which pages of the allocation it continues from.
             raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
         with self._mu:
+            plan = self._insert_plan(engine_id, req)
             # A continuing request gets a private copy of the checkpoint it hands over
-            # (copy-on-write). Its slot is taken before anything is committed (no room
-            # fails the call with nothing changed); taking it may wait for queued copies
-            # with the mutex released, so the handles are checked before (for the right
-            # status codes) and looked up again after.
+            # (copy-on-write), taken before anything is committed: no room fails the call
+            # with nothing changed. Taking it may wait for queued copies with the mutex
+            # released, so the request is checked before (every error of its own first)
+            # and planned again after (its handles must still be there).
             fresh = None
-            if req.keep_lock and req.mamba_checkpoint and MAMBA in self._kinds and req.allocation_id:
-                self._engines.renew(engine_id)
-                self._engines.lock(engine_id, req.lock_id or 0)
-                if self._engines.allocation(engine_id, req.allocation_id).mamba_slot is not None:
-                    fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
-            committed = False
-            try:
-                self._engines.renew(engine_id)
-                lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
-                if lock_rec is not None and lock_rec.namespace != req.namespace:
-                    raise InvalidArgument(
-                        f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
-                    )
-                alloc = (self._engines.allocation(engine_id, req.allocation_id)
-                         if req.allocation_id else None)
-                if alloc is not None and alloc.namespace != req.namespace:
-                    raise InvalidArgument(
-                        f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
-                    )
-                tree_lock = lock_rec.tree_lock if lock_rec else None
-                if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
-                    raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
-                begin = self.tree.depth_tokens(tree_lock.device_end if tree_lock else None) // self._ps
-                total = len(req.tokens) // self._pb
-                need = total - begin
-                pages: dict[ComponentKind, np.ndarray] = {}
-                if need > 0:
-                    if alloc is None:
-                        raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
-                    lo = begin - alloc.start_page
-                    have = len(alloc.pages[self._paged[0]])
-                    if lo < 0 or lo + need > have:
-                        raise InvalidArgument(
-                            f"allocation {req.allocation_id} covers token pages [{alloc.start_page}, "
-                            f"{alloc.start_page + have}); insert needs [{begin}, {total})"
-                        )
-                    pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
-                slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
-                session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
-                result = self.tree.insert(
-                    req.namespace, req.tokens, pages, lock=tree_lock, keep_lock=req.keep_lock,
-                    mamba_slot=slot, session_id=session,
-                )
-                committed = True
-            finally:
-                if fresh is not None and (not committed or slot is None):
+            if req.keep_lock and plan.slot is not None:
+                fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
+                try:
+                    plan = self._insert_plan(engine_id, req)
+                except BaseException:
+                    self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
+                    raise
+                if plan.slot is None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                     fresh = None
+            lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
+            try:
+                result = self.tree.insert(
+                    req.namespace, req.tokens, plan.pages, lock=lock_rec.tree_lock if lock_rec else None,
+                    keep_lock=req.keep_lock, mamba_slot=slot, session_id=plan.session,
+                )
+            except BaseException:
+                if fresh is not None:
+                    self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
+                raise
             for kind, ids in result.released.items():
                 if req.keep_lock and alloc is not None and kind in alloc.pages:
                     # The request goes on reading these (its block table points at them):

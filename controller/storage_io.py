@@ -116,12 +116,14 @@ class L3Store:
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
                   host_ids: np.ndarray) -> tuple[list[str], list[_S]]:
         """One backend batch over the page objects of `host_ids`, through the breaker."""
-        # (A write refused by its own breaker must not spend the read breaker's half-open
-        # probe, which `allow` hands out: checked first.)
-        if op is L3Op.PUT and not self.write_breaker.allow():
-            raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
-        if not self.breaker.allow():
+        # Both breakers are asked without side effects first: `allow` hands out a breaker's
+        # half-open probe, which a call the other breaker refuses must not spend.
+        if not self.breaker.ready():
             raise BreakerOpen(f"{self.name}: circuit breaker open")
+        if op is L3Op.PUT and not self.write_breaker.ready():
+            raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
+        if (op is L3Op.PUT and not self.write_breaker.allow()) or not self.breaker.allow():
+            raise BreakerOpen(f"{self.name}: circuit breaker open (another call is its probe)")
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]
         buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]

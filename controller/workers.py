@@ -49,6 +49,12 @@ class CircuitBreaker:
         with self._mu:
             return self._opened_at is not None
 
+    def ready(self) -> bool:
+        """Whether `allow` would let a call through now, without handing out the
+        half-open probe (no state changes)."""
+        with self._mu:
+            return self._opened_at is None or self._clock() - self._opened_at >= self._cooldown
+
     def allow(self) -> bool:
         """Whether a call may go to the backend now (one probe after the cooldown)."""
         with self._mu:

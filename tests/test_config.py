@@ -282,3 +282,9 @@ def test_a_merged_then_aliased_mapping_is_accepted_and_a_merged_duplicate_refuse
     assert build(text).model.sidecars["scale"].bytes_per_token_per_layer == 2
     with pytest.raises(ConfigError, match="duplicate key"):
         parse_yaml("model: {<<: {page_size: 4, page_size: 8}}\n")
+
+
+def test_a_yaml_value_key_is_read_like_plain_yaml() -> None:
+    import yaml
+
+    assert parse_yaml("a: {=: 1}\n") == yaml.safe_load("a: {=: 1}\n")

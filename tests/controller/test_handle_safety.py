@@ -566,3 +566,58 @@ def test_a_lease_that_lapses_while_the_prefetch_is_set_up_returns_no_handles(mak
         ctl.transfers.allocate_l2 = real
     assert fired and not ctl._prefetch_of_lock
     assert ctl.transfers.drain(5)
+
+
+@pytest.mark.parametrize("case", ["namespace", "prefix", "beyond_allocation"])
+def test_a_malformed_keep_lock_insert_is_invalid_even_with_no_checkpoint_slot_left(make, case: str) -> None:
+    """The request is checked in full before its copy-on-write slot is taken (it
+    answered RESOURCE_EXHAUSTED for a malformed request when no slot was free)."""
+    ctl = make(hybrid=True, storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    prompt = seq(2, 1000)
+    r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
+    ctl.insert("e1", InsertRequest("", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id,
+                                   mamba_checkpoint=True))
+    a = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=16))
+    held: list[int] = []
+    with pytest.raises(ResourceExhausted):  # every MAMBA slot left taken by allocations
+        while True:
+            held.append(ctl.allocate("e1", AllocateRequest("", 4)).allocation_id)
+    namespace, tokens = "", prompt + seq(2, 7)
+    if case == "namespace":
+        namespace = "other"
+    elif case == "prefix":
+        tokens = seq(4, 5000)
+    else:
+        tokens = prompt + seq(40, 7)  # 40 pages; the allocation covers 2
+    try:
+        with pytest.raises(InvalidArgument):
+            ctl.insert("e1", InsertRequest(namespace, tokens, lock_id=a.lock_id,
+                                           allocation_id=a.allocation_id, keep_lock=True,
+                                           mamba_checkpoint=True))
+    finally:
+        ctl.release("e1", a.lock_id, a.allocation_id)
+        for allocation in held:
+            ctl.release("e1", None, allocation)
+
+
+def test_a_write_refused_by_the_read_breaker_keeps_the_write_breakers_probe(make) -> None:
+    from hicache.controller.workers import BreakerOpen
+    from hicache.keys import PAGE_HASH_BYTES
+
+    ctl = make()
+    ctl.probe_interval_s = 3600
+    time.sleep(0.7)  # the prober now sleeps for an hour
+    l3 = ctl.l3
+    members = ctl.cfg.model.family(FULL)
+    hashes = [bytes([i]) * PAGE_HASH_BYTES for i in range(2)]
+    host_ids = np.array([0, 1], dtype=np.int64)
+    for breaker in (l3.breaker, l3.write_breaker):
+        for _ in range(3):
+            breaker.failure()
+    l3.write_breaker._opened_at = time.monotonic() - 10  # the write breaker: half-open
+    l3.breaker._opened_at = time.monotonic()  # the read breaker: just tripped
+    with pytest.raises(BreakerOpen, match="circuit breaker open"):
+        l3.write("", hashes, members, host_ids)
+    l3.breaker.success()  # the read side recovers
+    assert l3.write("", hashes, members, host_ids) == 2  # the write probe was still there
