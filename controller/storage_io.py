@@ -122,7 +122,14 @@ class L3Store:
             raise BreakerOpen(f"{self.name}: circuit breaker open")
         if op is L3Op.PUT and not self.write_breaker.ready():
             raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
-        if (op is L3Op.PUT and not self.write_breaker.allow()) or not self.breaker.allow():
+        write_probe = None
+        if op is L3Op.PUT:
+            write_probe = self.write_breaker.take()
+            if write_probe is None:
+                raise BreakerOpen(f"{self.name}: write breaker open (another call is its probe)")
+        if not self.breaker.allow():  # (another thread may have moved it since `ready`)
+            if write_probe is not None:
+                self.write_breaker.give_back(write_probe)
             raise BreakerOpen(f"{self.name}: circuit breaker open (another call is its probe)")
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]

@@ -55,6 +55,24 @@ class CircuitBreaker:
         with self._mu:
             return self._opened_at is None or self._clock() - self._opened_at >= self._cooldown
 
+    def take(self) -> tuple[float | None, float | None] | None:
+        """`allow` that can be undone: None when refused, else a token for `give_back`
+        (which returns a half-open probe taken by a call that then did not run)."""
+        with self._mu:
+            opened = self._opened_at
+            if opened is None:
+                return (None, None)
+            if self._clock() - opened >= self._cooldown:
+                self._opened_at = stamp = self._clock()
+                return (opened, stamp)
+            return None
+
+    def give_back(self, token: tuple[float | None, float | None]) -> None:
+        opened, stamp = token
+        with self._mu:
+            if stamp is not None and self._opened_at == stamp:  # (nothing happened since)
+                self._opened_at = opened
+
     def allow(self) -> bool:
         """Whether a call may go to the backend now (one probe after the cooldown)."""
         with self._mu:

@@ -572,9 +572,12 @@ class _StrictLoader(yaml.SafeLoader):
             self._checked.add(id(node))
             seen: set[Any] = set()
             for key_node, _value in node.value:
-                if key_node.tag in ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value"):
-                    continue  # (`<<` merges; `=` is a value key PyYAML renames below)
-                key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # (`<<: *anchor` is not a key of its own)
+                if key_node.tag == "tag:yaml.org,2002:value":
+                    key: Any = "="  # (PyYAML turns the `=` value key into the string "=")
+                else:
+                    key = self.construct_object(key_node)  # type: ignore[no-untyped-call]
                 try:
                     duplicate = key in seen
                 except TypeError:

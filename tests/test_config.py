@@ -288,3 +288,9 @@ def test_a_yaml_value_key_is_read_like_plain_yaml() -> None:
     import yaml
 
     assert parse_yaml("a: {=: 1}\n") == yaml.safe_load("a: {=: 1}\n")
+
+
+@pytest.mark.parametrize("text", ["a: {=: 1, =: 2}\n", "a: {=: 1, '=': 2}\n"])
+def test_a_duplicated_value_key_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="duplicate key"):
+        parse_yaml(text)

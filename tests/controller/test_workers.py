@@ -66,3 +66,26 @@ def test_a_job_that_retrying_cannot_help_is_given_up_at_once() -> None:
         assert worker.drain(5)  # (with the 10 s backoff, one retry would time this out)
         assert len(attempts) == 3 and len(gave_up) == 3
         assert all(isinstance(e, BreakerOpen) for e in gave_up)
+
+
+def test_a_probe_taken_and_given_back_is_there_for_the_next_call() -> None:
+    """`take` hands out a half-open probe like `allow`; `give_back` returns it when the
+    call did not run (another breaker refused it), unless the breaker moved meanwhile."""
+    from hicache.controller.workers import CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=1, cooldown_s=1.0, clock=lambda: now[0])
+    assert breaker.take() == (None, None)  # closed: always through
+    breaker.failure()
+    assert breaker.take() is None  # open, cooling down
+    now[0] = 2.0
+    token = breaker.take()
+    assert token is not None and not breaker.ready()  # the probe is out
+    breaker.give_back(token)
+    assert breaker.ready() and breaker.allow()  # back, and handed to the next call
+    now[0] = 4.0
+    token = breaker.take()
+    assert token is not None
+    breaker.success()  # the breaker moved meanwhile: giving back changes nothing
+    breaker.give_back(token)
+    assert not breaker.is_open
