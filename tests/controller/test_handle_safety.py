@@ -517,26 +517,35 @@ def test_allocating_against_a_lock_released_while_waiting_is_not_found(make) -> 
         ctl.release("e1", None, allocation)
 
 
-def test_a_refused_write_does_not_spend_the_read_breakers_probe(make) -> None:
-    from hicache.controller.workers import BreakerOpen
+def _both_breakers_tripped(make, read_half_open: bool):
+    """An L3 store whose read and write breakers are both open, one of them past its
+    cooldown (half-open), the other just tripped; the prober asleep. Returns the store and
+    a write/read's arguments (two pages)."""
     from hicache.keys import PAGE_HASH_BYTES
 
     ctl = make()
     ctl.probe_interval_s = 3600
     time.sleep(0.7)  # the prober now sleeps for an hour
     l3 = ctl.l3
-    members = ctl.cfg.model.family(FULL)
-    hashes = [bytes([i]) * PAGE_HASH_BYTES for i in range(2)]
-    host_ids = np.array([0, 1], dtype=np.int64)
     for breaker in (l3.breaker, l3.write_breaker):
         for _ in range(3):
             breaker.failure()
-    l3.breaker._opened_at = time.monotonic() - 10  # the read breaker: half-open
-    l3.write_breaker._opened_at = time.monotonic()  # the write breaker: just tripped
+    half_open, tripped = (l3.breaker, l3.write_breaker) if read_half_open else (l3.write_breaker, l3.breaker)
+    half_open._opened_at = time.monotonic() - 10
+    tripped._opened_at = time.monotonic()
+    args = ("", [bytes([i]) * PAGE_HASH_BYTES for i in range(2)], ctl.cfg.model.family(FULL),
+            np.array([0, 1], dtype=np.int64))
+    return l3, args
+
+
+def test_a_refused_write_does_not_spend_the_read_breakers_probe(make) -> None:
+    from hicache.controller.workers import BreakerOpen
+
+    l3, args = _both_breakers_tripped(make, read_half_open=True)
     with pytest.raises(BreakerOpen, match="write breaker"):
-        l3.write("", hashes, members, host_ids)
+        l3.write(*args)
     calls = l3.backend.stats().gets
-    assert l3.read("", hashes, members, host_ids) == 0  # the read is the probe: it reached the store
+    assert l3.read(*args) == 0  # the read is the probe: it reached the store
     assert l3.backend.stats().gets == calls + 2
 
 
@@ -603,21 +612,9 @@ def test_a_malformed_keep_lock_insert_is_invalid_even_with_no_checkpoint_slot_le
 
 def test_a_write_refused_by_the_read_breaker_keeps_the_write_breakers_probe(make) -> None:
     from hicache.controller.workers import BreakerOpen
-    from hicache.keys import PAGE_HASH_BYTES
 
-    ctl = make()
-    ctl.probe_interval_s = 3600
-    time.sleep(0.7)  # the prober now sleeps for an hour
-    l3 = ctl.l3
-    members = ctl.cfg.model.family(FULL)
-    hashes = [bytes([i]) * PAGE_HASH_BYTES for i in range(2)]
-    host_ids = np.array([0, 1], dtype=np.int64)
-    for breaker in (l3.breaker, l3.write_breaker):
-        for _ in range(3):
-            breaker.failure()
-    l3.write_breaker._opened_at = time.monotonic() - 10  # the write breaker: half-open
-    l3.breaker._opened_at = time.monotonic()  # the read breaker: just tripped
+    l3, args = _both_breakers_tripped(make, read_half_open=False)
     with pytest.raises(BreakerOpen, match="circuit breaker open"):
-        l3.write("", hashes, members, host_ids)
+        l3.write(*args)
     l3.breaker.success()  # the read side recovers
-    assert l3.write("", hashes, members, host_ids) == 2  # the write probe was still there
+    assert l3.write(*args) == 2  # the write probe was still there
