@@ -138,25 +138,16 @@ class HybridCacheController(CacheService):
                     log.exception("L3 write probe failed")
 
     def _connect_l3(self) -> None:
-        try:
-            backend = build_backend(self.cfg.storage)
-        except BackendUnavailable as e:
-            self.l3_down = str(e)
-            return
-        except Exception:
-            log.exception("L3 %s: connecting failed", self.cfg.storage.backend.value)
-            return
-        if self._stop.is_set():  # closing meanwhile: the pools may be gone
-            backend.close()
+        if self._stop.is_set():  # closing: the pools may be gone
             return
         try:
-            backend.register_host_buffer(self.host.buffer_address, self.host.buffer_size)
-            store = L3Store(backend, self.host, self.cfg.model.id, 0, self.cfg.model.tp_size)
-        except Exception as e:  # (e.g. Mooncake refusing the registration): retried later
-            log.warning("L3 %s: connected but not usable yet: %s", self.cfg.storage.backend.value, e)
+            store = open_l3(self.cfg, self.host)
+        except Exception as e:  # unreachable, or refusing the registration: retried later
+            log.warning("L3 %s: not connected: %s", self.cfg.storage.backend.value, e)
             self.l3_down = str(e)
-            with contextlib.suppress(Exception):
-                backend.close()
+            return
+        if self._stop.is_set():  # closed meanwhile
+            store.backend.close()
             return
         with self._mu:
             self.l3 = store
@@ -713,6 +704,20 @@ class HybridCacheController(CacheService):
             self.transfers.check_ownership(self._engines)
 
 
+def open_l3(cfg: HicacheConfig, host: HostPools) -> L3Store:
+    """Connect the configured L3 backend and register the L2 pool with it (objects move
+    straight between the store and L2 pages). Raises BackendUnavailable when it cannot be
+    reached; a failed registration closes the backend and raises."""
+    backend = build_backend(cfg.storage)
+    try:
+        backend.register_host_buffer(host.buffer_address, host.buffer_size)
+        return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            backend.close()
+        raise
+
+
 def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None = None,
                      start: bool = True) -> HybridCacheController:
     """Pools, tree, copy engine and L3 backend from `cfg`; started unless `start=False`.
@@ -739,16 +744,13 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
                     "page_first; use auto or page_first)"
                 )
             try:
-                backend = build_backend(cfg.storage)
+                l3 = open_l3(cfg, host)
             except BackendUnavailable as e:
                 if cfg.storage.required:
                     raise
                 log.error("L3 %s unavailable, serving from L1/L2 only (retried every %g s): %s",
                           cfg.storage.backend.value, L3_CONNECT_RETRY_S, e)
                 down = str(e)
-            else:
-                backend.register_host_buffer(host.buffer_address, host.buffer_size)
-                l3 = L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size)
         ctl = HybridCacheController(cfg, tree, device, host, copier, l3)
         ctl.l3_down = down
     except BaseException:

@@ -116,21 +116,17 @@ class L3Store:
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
                   host_ids: np.ndarray) -> tuple[list[str], list[_S]]:
         """One backend batch over the page objects of `host_ids`, through the breaker."""
-        # Both breakers are asked without side effects first: `allow` hands out a breaker's
-        # half-open probe, which a call the other breaker refuses must not spend.
-        if not self.breaker.ready():
-            raise BreakerOpen(f"{self.name}: circuit breaker open")
-        if op is L3Op.PUT and not self.write_breaker.ready():
-            raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
+        # A breaker hands out its half-open probe to the call it lets through: a write the
+        # read breaker then refuses gives the write breaker's probe back.
         write_probe = None
         if op is L3Op.PUT:
             write_probe = self.write_breaker.take()
             if write_probe is None:
-                raise BreakerOpen(f"{self.name}: write breaker open (another call is its probe)")
-        if not self.breaker.allow():  # (another thread may have moved it since `ready`)
+                raise BreakerOpen(f"{self.name}: refusing writes (write breaker open)")
+        if not self.breaker.allow():
             if write_probe is not None:
                 self.write_breaker.give_back(write_probe)
-            raise BreakerOpen(f"{self.name}: circuit breaker open (another call is its probe)")
+            raise BreakerOpen(f"{self.name}: circuit breaker open")
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]
         buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]
@@ -156,21 +152,14 @@ class L3Store:
     def probe_writes(self) -> bool:
         """A canary write/read/delete now (`health(deep=True)`); closes the write breaker
         when it succeeds. Leaves the read breaker alone: a full store still serves."""
-        t0 = time.perf_counter()
-        health = self.backend.health(True)
-        self.latency.record(L3Op.PROBE_DEEP, L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
-                            time.perf_counter() - t0)
+        health = self._timed_health(True)
         if health.healthy:
             self.write_breaker.success()
         return health.healthy
 
     def probe(self, deep: bool = False) -> BackendHealth:
         """Ask the backend's health now (timed; an unhealthy answer counts as UNAVAILABLE)."""
-        t0 = time.perf_counter()
-        health = self.backend.health(deep)
-        self.latency.record(L3Op.PROBE_DEEP if deep else L3Op.PROBE,
-                            L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
-                            time.perf_counter() - t0)
+        health = self._timed_health(deep)
         self.last_health = health
         if health.healthy:
             if deep:
@@ -178,6 +167,14 @@ class L3Store:
             self.breaker.success()
         else:
             self.breaker.failure()
+        return health
+
+    def _timed_health(self, deep: bool) -> BackendHealth:
+        t0 = time.perf_counter()
+        health = self.backend.health(deep)
+        self.latency.record(L3Op.PROBE_DEEP if deep else L3Op.PROBE,
+                            L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
+                            time.perf_counter() - t0)
         return health
 
     def stats(self) -> L3Stats:

@@ -49,12 +49,6 @@ class CircuitBreaker:
         with self._mu:
             return self._opened_at is not None
 
-    def ready(self) -> bool:
-        """Whether `allow` would let a call through now, without handing out the
-        half-open probe (no state changes)."""
-        with self._mu:
-            return self._opened_at is None or self._clock() - self._opened_at >= self._cooldown
-
     def take(self) -> tuple[float | None, float | None] | None:
         """`allow` that can be undone: None when refused, else a token for `give_back`
         (which returns a half-open probe taken by a call that then did not run)."""
@@ -75,13 +69,7 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         """Whether a call may go to the backend now (one probe after the cooldown)."""
-        with self._mu:
-            if self._opened_at is None:
-                return True
-            if self._clock() - self._opened_at >= self._cooldown:
-                self._opened_at = self._clock()  # the caller is the probe; others wait
-                return True
-            return False
+        return self.take() is not None
 
     def success(self) -> None:
         with self._mu:

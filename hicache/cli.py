@@ -150,10 +150,9 @@ def _target(args: argparse.Namespace) -> str:
     dialled on the matching loopback address (a TLS certificate must then name it)."""
     if args.target:
         return str(args.target)
-    listen = load_config(args.config).server.listen
-    host, sep, port = listen.rpartition(":")
-    loopback = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host)
-    return f"{loopback}{sep}{port}" if loopback else listen
+    listen = parse_address(load_config(args.config).server.listen)
+    loopback = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(listen.host)
+    return f"{loopback}:{listen.port}" if loopback else listen.address
 
 
 def _ca(args: argparse.Namespace) -> bytes | None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from hicache.endpoint import split_host_port
 from hicache.errors import ConfigError
 from hicache.types import (
     ComponentKind,
@@ -734,14 +735,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 
 
-# A host: a name or IPv4 address, or a bracketed IPv6 address (no scheme, no path).
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
-
-
 def _host_port(value: str, path: str, problem: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if (not sep or not _HOST.fullmatch(host) or not port.isdigit()
-            or not 0 < int(port) < 65536):
+    if split_host_port(value) is None:  # (the rule the daemon and the CLI parse by)
         raise ConfigError(f"{path}: {value!r} {problem}")
 
 

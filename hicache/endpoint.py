@@ -59,16 +59,28 @@ class Endpoint:
         return f"{stem}_{digest}"
 
 
+# A host: a name or IPv4 address, or a bracketed IPv6 address (no scheme, no path).
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+
+
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """`host:port` as (host, port), or None when it is not one."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
 def parse_address(address: str) -> Endpoint:
     if address.startswith(UNIX_PREFIX):
         path = address[len(UNIX_PREFIX) :]
         if not path.startswith("/"):
             raise InvalidArgument(f"{address!r}: a unix socket address is unix:///absolute/path")
         return Endpoint(address=address, path=Path(path))
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    host_port = split_host_port(address)
+    if host_port is None:
         raise InvalidArgument(f"{address!r} is neither unix:///path nor host:port")
-    return Endpoint(address=address, path=None, host=host, port=int(port))
+    return Endpoint(address=address, path=None, host=host_port[0], port=host_port[1])
 
 
 class SocketLock:

@@ -159,6 +159,10 @@ def test_addresses() -> None:
     assert name.startswith("h_1_sock_") and name.replace("_", "").isalnum()
     with pytest.raises(errors.InvalidArgument, match="unix:///absolute/path"):
         parse_address("unix://relative.sock")
+    # One host:port rule for the daemon, the config loader and the CLI's --target.
+    for bad in ("http://127.0.0.1:5", "host/x:80", "a b:1", ":5", "h:0"):
+        with pytest.raises(errors.InvalidArgument, match="neither unix"):
+            parse_address(bad)
 
 
 # --------------------------------------------------------------------------- interceptor, in process

@@ -151,6 +151,28 @@ def close_one(tree: HiRadixTree, session: str) -> None:
         assert type(e).__name__ == "NotFound"
 
 
+def apply_shared_op(tree: HiRadixTree, oracle: Oracle, ids: Iterator[int], locks: list,
+                    op: tuple) -> None:
+    """The ops both property tests run alike: evict (optionally writing L1 victims back to
+    L2 first), unlock, close-session."""
+    if op[0] == "evict":
+        _, tier, kind, n, write_back = op
+        if kind not in oracle.kinds:
+            return
+
+        def back_up(victim) -> None:
+            if tier is DEV and write_back:
+                back_up_to_host(tree, oracle, ids, victim)
+
+        record_evicted(tree.evict(tier, kind, n, before_drop=back_up).freed, oracle, tier)
+    elif op[0] == "unlock":
+        unlock_one(tree, oracle, locks, op[1])
+    elif op[0] == "close":
+        close_one(tree, op[1])
+    else:
+        raise AssertionError(f"unknown op {op[0]!r}")
+
+
 def check_step(tree: HiRadixTree, oracle: Oracle) -> None:
     tree.check_integrity()
     for tier in (DEV, HOST):
@@ -207,20 +229,8 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
             if m.lock is not None:
                 locks.append(m.lock)
                 oracle.locked.append((b0, b1, pages, m.lock))
-        elif op[0] == "evict":
-            _, tier, kind, n, write_back = op
-            if kind not in kinds:
-                continue
-
-            def back_up(victim, tier=tier, write_back=write_back) -> None:
-                if tier is DEV and write_back:
-                    back_up_to_host(tree, oracle, ids, victim)
-
-            record_evicted(tree.evict(tier, kind, n, before_drop=back_up).freed, oracle, tier)
-        elif op[0] == "unlock":
-            unlock_one(tree, oracle, locks, op[1])
-        elif op[0] == "close":
-            close_one(tree, op[1])
+        else:
+            apply_shared_op(tree, oracle, ids, locks, op)
         check_step(tree, oracle)
 
 

@@ -25,13 +25,10 @@ from .test_property import (
     WINDOW,
     Oracle,
     P,
-    back_up_to_host,
+    apply_shared_op,
     check_match,
     check_step,
-    close_one,
-    record_evicted,
     token_bytes,
-    unlock_one,
 )
 
 pages_st = st.lists(st.sampled_from([(0, 0), (0, 0), (0, 0), (1, 0), (0, 1)]), min_size=1, max_size=7)
@@ -117,20 +114,6 @@ def run_sequence(kinds, ops):
             if m.lock is not None:
                 locks.append(m.lock)
                 oracle.locked.append((b0, b1, pages, m.lock))
-        elif op[0] == "evict":
-            _, tier, kind, n, write_back = op
-            if kind not in kinds:
-                continue
-
-            def back_up(victim, tier=tier, write_back=write_back):
-                if tier is DEV and write_back:
-                    back_up_to_host(tree, oracle, ids, victim)
-
-            record_evicted(tree.evict(tier, kind, n, before_drop=back_up).freed, oracle, tier)
-        elif op[0] == "unlock":
-            unlock_one(tree, oracle, locks, op[1])
-        elif op[0] == "close":
-            close_one(tree, op[1])
         elif op[0] == "copy":
             # Like the controller: copy a node's family slots that dst lacks from src.
             all_nodes = nodes()
@@ -164,6 +147,8 @@ def run_sequence(kinds, ops):
                         oracle.l3.add((oracle.owner[(k, HOST, pid)], k))
                     if not tree.is_resident(node, k, Tier.STORAGE):
                         tree.set_resident(node, k, Tier.STORAGE)
+        else:
+            apply_shared_op(tree, oracle, ids, locks, op)
         check_step(tree, oracle)
 
 

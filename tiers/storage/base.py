@@ -47,6 +47,7 @@ from typing import ParamSpec, TypeVar
 import numpy as np
 
 from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
+from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import (
     HEADER_BYTES,
     check_object,
@@ -144,8 +145,11 @@ class StorageBackend(abc.ABC):
     name: str = "abstract"
     pipeline_chunk: int = PIPELINE_CHUNK
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, workers: int = 4) -> None:
         self.timeout_s = timeout_s
+        # Every call into the client library runs here, bounded by `timeout_s` (the
+        # libraries' own timeouts do not bound a whole call); its stuck calls are counted.
+        self._caller = BoundedCaller(self.name, timeout_s, workers)
         self._counters = _Counters()
         self._counter_lock = threading.Lock()
         # Two canary objects for deep health checks; backends that need registered memory
@@ -200,33 +204,10 @@ class StorageBackend(abc.ABC):
         _check_batch(keys, buffers)
         if not keys:
             return []
-        # Each (key, buffer size) is read once, into the first such buffer, and copied into
-        # the others: a client may fill only one buffer of a key given twice in a batch
-        # (Mooncake does), so a key needed at two sizes goes in two batches.
-        first: dict[tuple[str, int], int] = {}
-        for i, key in enumerate(keys):
-            first.setdefault((key, buffers[i].nbytes), i)
-        if len(first) == len(keys) and len({key for key, _ in first}) == len(keys):
+        if len(set(keys)) == len(keys):
             sizes = self._fetch_objects(keys, buffers)
         else:
-            batches: list[list[int]] = []
-            seen: dict[str, int] = {}
-            for (key, _), i in first.items():
-                n = seen.get(key, 0)
-                seen[key] = n + 1
-                if n == len(batches):
-                    batches.append([])
-                batches[n].append(i)
-            got: dict[int, int] = {}
-            for batch in batches:
-                got.update(zip(batch, self._fetch_objects([keys[i] for i in batch],
-                                                          [buffers[i] for i in batch]), strict=True))
-            sizes = []
-            for i, key in enumerate(keys):
-                j = first[(key, buffers[i].nbytes)]
-                if j != i and got[j] != MISSING:
-                    buffers[i][:] = buffers[j]
-                sizes.append(got[j])
+            sizes = self._fetch_repeated(keys, buffers)
         out: list[GetStatus] = []
         hits = corrupt = nbytes = 0
         broken: list[str] = []  # corrupt objects of ours: removed below
@@ -261,6 +242,34 @@ class StorageBackend(abc.ABC):
             c.misses += len(keys) - hits - corrupt
             c.bytes_read += nbytes
         return out
+
+    def _fetch_repeated(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
+        """`_fetch_objects` for a batch that repeats keys. Each (key, buffer size) is read
+        once, into its first buffer, and copied into the others: a client may fill only
+        one buffer of a key given twice in a call (Mooncake does), so a key wanted at two
+        sizes is read in two calls."""
+        first: dict[tuple[str, int], int] = {}
+        for i, key in enumerate(keys):
+            first.setdefault((key, buffers[i].nbytes), i)
+        calls: list[list[int]] = []  # call n reads each key's n-th size
+        seen: dict[str, int] = {}
+        for (key, _), i in first.items():
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+            if n == len(calls):
+                calls.append([])
+            calls[n].append(i)
+        got: dict[int, int] = {}
+        for call in calls:
+            got.update(zip(call, self._fetch_objects([keys[i] for i in call],
+                                                     [buffers[i] for i in call]), strict=True))
+        sizes = []
+        for i, key in enumerate(keys):
+            j = first[(key, buffers[i].nbytes)]
+            if j != i and got[j] != MISSING:
+                buffers[i][:] = buffers[j]
+            sizes.append(got[j])
+        return sizes
 
     def _remove_broken(self, keys: list[str]) -> int:
         """Best effort: the read's statuses stand whether or not this works (a key left
@@ -419,7 +428,7 @@ class StorageBackend(abc.ABC):
         """Liveness: (detail, capacity_bytes, used_bytes). Raises `BackendUnavailable`."""
 
     def _stuck_calls(self) -> int:
-        return 0
+        return self._caller.stuck
 
     # ------------------------------------------------------------------ helpers
 

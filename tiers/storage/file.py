@@ -29,7 +29,6 @@ import numpy as np
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, VERIFIED, PutStatus, StorageBackend
-from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import check_object, key_digest
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
 
@@ -71,7 +70,6 @@ class FileBackend(StorageBackend):
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
         self._used = 0
         self._lock = threading.Lock()
-        self._caller = BoundedCaller(self.name, timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -314,9 +312,6 @@ class FileBackend(StorageBackend):
             return self._caller.call(probe)
         except OSError as e:
             raise _unavailable(self.root, e) from None
-
-    def _stuck_calls(self) -> int:
-        return self._caller.stuck
 
     @property
     def used_bytes(self) -> int:

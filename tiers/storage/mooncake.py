@@ -36,7 +36,6 @@ import numpy as np
 from hicache.config import MooncakeStorageConfig
 from hicache.errors import BackendUnavailable, InvalidArgument
 from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
-from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import write_headers
 
 log = logging.getLogger(__name__)
@@ -64,7 +63,6 @@ class MooncakeBackend(StorageBackend):
         self.cfg = cfg
         self._store: Any = None
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
-        self._caller = BoundedCaller(self.name, timeout_s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -264,9 +262,6 @@ class MooncakeBackend(StorageBackend):
         self._exists([PROBE_KEY])
         detail = f"mooncake master {self.cfg.master} ok"
         return detail, self.cfg.global_segment_size, None
-
-    def _stuck_calls(self) -> int:
-        return self._caller.stuck
 
 
 def _present(codes: Sequence[int]) -> list[bool]:

@@ -21,7 +21,6 @@ import redis
 from hicache.config import RedisStorageConfig
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
-from hicache.tiers.storage.bounded import BoundedCaller
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +33,13 @@ class RedisBackend(StorageBackend):
     name = "redis"
 
     def __init__(self, cfg: RedisStorageConfig, timeout_s: float) -> None:
-        super().__init__(timeout_s)
+        # redis-py bounds the pool wait, the connect and each socket read apart, so a call
+        # under load could take a multiple of timeout_s: each call runs bounded instead,
+        # on as many threads as the pool has connections.
+        super().__init__(timeout_s, workers=max(4, cfg.pool_size))
         self.cfg = cfg
         self._pool: redis.BlockingConnectionPool | None = None
         self._client: redis.Redis | None = None
-        # redis-py bounds the pool wait, the connect and each socket read apart, so a call
-        # under load could take a multiple of timeout_s: each call runs bounded instead.
-        self._caller = BoundedCaller(self.name, timeout_s, workers=max(4, cfg.pool_size))
 
     def start(self) -> None:
         pool = redis.BlockingConnectionPool.from_url(
@@ -67,9 +66,6 @@ class RedisBackend(StorageBackend):
         if self._pool is not None:
             self._pool.disconnect()
         self._client = self._pool = None
-
-    def _stuck_calls(self) -> int:
-        return self._caller.stuck
 
     @property
     def client(self) -> redis.Redis:
