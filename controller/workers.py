@@ -115,11 +115,16 @@ class ExistenceCache:
 
     def add_present(self, keys: list[str]) -> None:
         with self._mu:
-            for key in keys:
-                self._present[key] = None
-                self._present.move_to_end(key)
-                self._absent.pop(key, None)
-            while len(self._present) > self._capacity:
+            present = self._present
+            # Set operations and one update run in C: a cold 32K-token prompt adds 512
+            # keys per member, which one Python step per key made cost ~0.4 ms.
+            for key in present.keys() & keys:  # known already: most recent again
+                present.move_to_end(key)
+            present.update(dict.fromkeys(keys))
+            if self._absent:
+                for key in self._absent.keys() & keys:
+                    del self._absent[key]
+            while len(present) > self._capacity:
                 self._present.popitem(last=False)
 
     def add_absent(self, key: str) -> None:

@@ -487,6 +487,12 @@ def verified(keys: Sequence[str], buffers: Sequence[np.ndarray], sizes: list[int
 
 
 def _check_keys(keys: Sequence[str]) -> None:
+    # The common case in C: join() takes strings only, all() finds an empty one.
+    try:
+        if "".join(keys).isascii() and all(keys):
+            return
+    except TypeError:
+        pass
     for key in keys:
         if not isinstance(key, str) or not key or not key.isascii():
             raise InvalidArgument(f"L3 keys must be non-empty ASCII strings, got {key!r}")
