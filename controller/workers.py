@@ -103,15 +103,18 @@ class ExistenceCache:
         absent (no need to ask the backend)."""
         now = self._clock()
         with self._mu:
+            present = self._present
             n = 0
             for key in keys:
-                if key in self._present:
-                    self._present.move_to_end(key)
-                    n += 1
-                    continue
-                expiry = self._absent.get(key)
-                return n, expiry is not None and expiry > now
-            return n, False
+                if key not in present:
+                    break
+                n += 1
+            for key in reversed(keys[:n]):  # (the head ends most recent, as in add_present)
+                present.move_to_end(key)
+            if n == len(keys):
+                return n, False
+            expiry = self._absent.get(keys[n])
+            return n, expiry is not None and expiry > now
 
     def add_present(self, keys: list[str]) -> None:
         with self._mu:
@@ -120,7 +123,9 @@ class ExistenceCache:
             # keys per member, which one Python step per key made cost ~0.4 ms.
             for key in present.keys() & keys:  # known already: most recent again
                 present.move_to_end(key)
-            present.update(dict.fromkeys(keys))
+            # Reversed: a run's head ends most recent, so the cache lets go of tails first
+            # (a lookup stops at the first key it has lost and asks the store from there).
+            present.update(dict.fromkeys(reversed(keys)))
             if self._absent:
                 for key in self._absent.keys() & keys:
                     del self._absent[key]

@@ -1,0 +1,88 @@
+"""The L3 existence cache: what it answers without asking the store, and what it lets go."""
+
+from __future__ import annotations
+
+from hicache.controller.workers import ExistenceCache
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def keys(n: int, tag: str = "k") -> list[str]:
+    return [f"{tag}{i}" for i in range(n)]
+
+
+def test_known_run_counts_leading_present_keys_and_stops_at_an_unknown_one() -> None:
+    cache = ExistenceCache()
+    ks = keys(6)
+    cache.add_present(ks[:3] + ks[4:])
+    assert cache.known_run(ks) == (3, False)  # ks[3] unknown: ask the store from there
+    assert cache.known_run(ks[4:]) == (2, False)
+    assert cache.known_run([]) == (0, False)
+
+
+def test_a_key_known_absent_stops_the_run_until_its_ttl_ends() -> None:
+    clock = Clock()
+    cache = ExistenceCache(negative_ttl_s=1.0, clock=clock)
+    ks = keys(3)
+    cache.add_present(ks[:1])
+    cache.add_absent(ks[1])
+    assert cache.known_run(ks) == (1, True)  # no need to ask: known absent
+    clock.now += 1.5
+    assert cache.known_run(ks) == (1, False)  # expired: ask again
+
+
+def test_present_and_absent_replace_each_other() -> None:
+    cache = ExistenceCache(clock=Clock())
+    k = keys(1)
+    cache.add_absent(k[0])
+    cache.add_present(k)
+    assert cache.known_run(k) == (1, False)
+    cache.add_absent(k[0])
+    assert cache.known_run(k) == (0, True)
+    cache.forget(k)
+    assert cache.known_run(k) == (0, True)  # forget drops present keys only
+
+
+def test_over_capacity_the_tails_of_the_oldest_runs_go_first() -> None:
+    cache = ExistenceCache(capacity=6)
+    old, new = keys(4, "old"), keys(4, "new")
+    cache.add_present(old)
+    cache.add_present(new)
+    assert cache.known_run(new) == (4, False)
+    # Two of the old run's keys had to go: its tail, so its head still answers.
+    assert cache.known_run(old) == (2, False)
+    assert cache.known_run(old[2:]) == (0, False)
+
+
+def test_a_key_seen_again_becomes_recent() -> None:
+    cache = ExistenceCache(capacity=4)
+    a, b = keys(2, "a"), keys(2, "b")
+    cache.add_present(a)
+    cache.add_present(b)
+    cache.add_present(a)  # used again: b is now the oldest
+    cache.add_present(keys(2, "c"))
+    assert cache.known_run(a) == (2, False)
+    assert cache.known_run(b) == (0, False)
+
+
+def test_repeated_keys_in_one_call_are_kept_once() -> None:
+    cache = ExistenceCache(capacity=3)
+    cache.add_present(["x", "y", "x", "y", "z"])
+    assert cache.known_run(["x", "y", "z"]) == (3, False)
+
+
+def test_a_lookup_keeps_the_head_of_its_run_most_recent() -> None:
+    cache = ExistenceCache(capacity=6)
+    old, new = keys(4, "old"), keys(4, "new")
+    cache.add_present(old)
+    cache.add_present(keys(2, "mid"))
+    assert cache.known_run(old) == (4, False)  # old is the most recent now, head first
+    cache.add_present(new)  # room for 4: mid goes, then old's tail
+    assert cache.known_run(old) == (2, False)
+    assert cache.known_run(keys(2, "mid")) == (0, False)
