@@ -522,6 +522,7 @@ class Transfers:
     def _land_l2(self, batch: list[HostCopy], copied: bool) -> None:
         """Caller holds the mutex."""
         landed: dict[int, object] = {}
+        l3 = self.ctl.l3 is not None  # (else `_maybe_l3` has nothing to do: no list to build)
         for copy in batch:
             node, moves = copy.node, copy.moves
             if not moves:  # no room in L2: nothing was reserved
@@ -551,9 +552,11 @@ class Transfers:
                         self.free_l2(kind, host_ids[lo:hi])
             self._queued_l2.discard(id(node))
             self.tree.unlock(copy.pin)
-            landed.update((id(part), part) for part, _, _ in span)
+            if l3:
+                landed.update((id(part), part) for part, _, _ in span)
         self.landed.notify_all()
-        self._maybe_l3(list(landed.values()))
+        if l3:
+            self._maybe_l3(list(landed.values()))
 
     def after_match(self, m: MatchResult) -> None:
         """Selective write-through: nodes that just got hot go down a tier."""

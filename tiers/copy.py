@@ -90,6 +90,7 @@ class CpuCopyEngine(CopyEngine):
         self._threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
         self._rows: dict[tuple[bool, str], MemberRows] = {}
+        self._families: dict[tuple[bool, ComponentKind], tuple[int, list[_MemberPair], int]] = {}
 
     def device_to_host(
         self,
@@ -113,6 +114,7 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._rows.clear()
+        self._families.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -133,13 +135,8 @@ class CpuCopyEngine(CopyEngine):
         dst_ids: npt.NDArray[np.int64],
         on_layer: LayerCallback | None,
     ) -> CopyResult:
-        members = src.family(family)
-        layers = max(m.layers for m in members)
         n = int(src_ids.size)
-        pairs = [
-            (self._member_rows(src, m.name, m.layers), self._member_rows(dst, m.name, m.layers))
-            for m in members
-        ]
+        layers, pairs, page_bytes = self._family_rows(family, src, dst)
         if n <= SMALL_COPY_PAGES:
             _copy_inline(pairs, src_ids, dst_ids, layers, on_layer)
         else:
@@ -148,8 +145,26 @@ class CpuCopyEngine(CopyEngine):
                 _torch_copy(plan, pairs, layers, on_layer)
             else:
                 self._run_jobs(_jobs(plan, pairs, layers), layers, on_layer)
-        moved = n * sum(m.bytes_per_page for m in members)
-        return CopyResult(pages=n, bytes=moved, layers=layers)
+        return CopyResult(pages=n, bytes=n * page_bytes, layers=layers)
+
+    def _family_rows(
+        self, family: ComponentKind, src: MemberPools, dst: MemberPools
+    ) -> tuple[int, list[_MemberPair], int]:
+        """(layers, the members' (src, dst) views, bytes per page of the family) for a
+        copy `src` -> `dst` of `family`: worked out at its first copy and kept (pools and
+        families never change; every write-through pays this otherwise)."""
+        key = (src is self._device, family)
+        known = self._families.get(key)
+        if known is None:
+            members = src.family(family)
+            pairs = [
+                (self._member_rows(src, m.name, m.layers), self._member_rows(dst, m.name, m.layers))
+                for m in members
+            ]
+            known = self._families[key] = (
+                max(m.layers for m in members), pairs, sum(m.bytes_per_page for m in members)
+            )
+        return known
 
     def _run_jobs(
         self, jobs: Sequence[_Job], layers: int, on_layer: LayerCallback | None

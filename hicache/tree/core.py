@@ -8,7 +8,6 @@ node must be split.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 
@@ -25,6 +24,7 @@ from hicache.tree.sessions import SessionTable
 from hicache.types import ComponentKind, EvictionPolicy, Tier
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_ONE_ID = np.zeros(1, dtype=np.int64)  # (copied for a MAMBA checkpoint: cheaper than np.array)
 _PAGED_MASK = (1 << PAGED_TIERS) - 1
 
 
@@ -103,6 +103,7 @@ class HiRadixTree:
         self._lock_idx = [FULL_INDEX if c.path_scoped else c.index for c in self.components]
         assert all(c.per_page for c in self._path_comps), "path-scoped slots hold a page per page"
         self._point_comps = [c for c in self.components if not c.path_scoped]
+        self._point_idx = [c.index for c in self._point_comps]
         self._others = self.components[1:]
         self._page_comps = [c for c in self.components if c.per_page]
         # Components that vote on boundaries besides FULL; unwindowed ones answer from
@@ -112,6 +113,9 @@ class HiRadixTree:
         # Components whose L1/L2 slot may hold only its node's tail (SWA).
         self._tails = frozenset(c.index for c in self.components if c.partial_tail)
         self._points = [c.index for c in self.components if not c.per_page]
+        assert not any(c.child_sensitive for c in self.components if not c.per_page)
+        # Per-page slots a new node offers at once (a child-sensitive one waits for a child).
+        self._offered_new = frozenset(c.index for c in self._page_comps if not c.child_sensitive)
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._model_id, self._kv_dtype = model_id, kv_dtype
         self._roots: dict[str, Node] = {}
@@ -419,10 +423,26 @@ class HiRadixTree:
     def _apply_lock(self, lock: TreeLock, delta: int) -> None:
         if isinstance(lock.end, Node):
             self._lock_path(lock.end, delta)
-        for node in lock.mamba_nodes:
-            assert isinstance(node, Node)
-            for comp in self._point_comps:
-                self._lock_slot(node, comp, delta)
+        points = self._point_idx
+        if not points:
+            return
+        locked = self._locked
+        for point in lock.mamba_nodes:  # per point slot, inlined (hot: every request)
+            node: Node = point  # type: ignore[assignment]
+            lk = node.lock
+            for ci in points:
+                before = lk[ci]
+                after = before + delta
+                assert after >= 0, f"lock underflow at {node}"
+                lk[ci] = after
+                mask = node.mask[ci]
+                if mask and not (before and after):
+                    if mask & 1:
+                        locked[0][ci] += delta
+                    if mask & 2:
+                        locked[1][ci] += delta
+                    if mask & 4:
+                        locked[2][ci] += delta
 
     def _lock_path(self, end: Node, delta: int) -> None:
         # Hot: runs twice per request over the whole path, hence the inlined counters.
@@ -455,19 +475,6 @@ class HiRadixTree:
                     if m & 4:
                         locked[2][ci] += n
             node = node.parent
-
-    def _lock_slot(self, node: Node, comp: Component, delta: int) -> None:
-        """Lock (delta +1) or unlock (-1) a point slot (one page: a MAMBA checkpoint)."""
-        ci = comp.index
-        before = node.lock[ci]
-        after = before + delta
-        assert after >= 0, f"lock underflow at {node}"
-        node.lock[ci] = after
-        mask = node.mask[ci]
-        if mask and (before == 0) != (after == 0):
-            for tier, row in enumerate(self._locked):
-                if mask & (1 << tier):
-                    row[ci] += delta
 
     # ------------------------------------------------------------------ insert
 
@@ -541,7 +548,7 @@ class HiRadixTree:
             inserted_tokens=(total - reused) * ps,
             reused_tokens=reused * ps,
             released={
-                c.kind: _cat(released[c.index]) for c in self.components
+                c.kind: _cat(r) if (r := released[c.index]) else _EMPTY for c in self.components
             },
             end=node if node.parent is not None else None,
             dropped=self._by_component(dropped) if dropped else {},
@@ -597,7 +604,7 @@ class HiRadixTree:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
                 )
-            if n and min_of(arr) < 0:
+            if n and (arr.item(0) < 0 or min_of(arr) < 0):  # (SWA's gaps usually lead)
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
                 gapped[comp.index] = (arr < 0).tobytes()
@@ -712,53 +719,74 @@ class HiRadixTree:
     def _add_suffix(self, parent: Node, tokens: bytes, pos: int, total: int,
                     provided: dict[int, np.ndarray], gapped: dict[int, bytes], begin: int, tick: int,
                     tier: int, checkpoint: int | None = None) -> Node:
-        breaks: list[int] = []
-        for ci, absent in gapped.items():
-            breaks.extend(self.components[ci].split_breaks(absent[pos - begin : total - begin]))
-        cuts = [pos, *sorted({b + pos for b in breaks}), total] if breaks else [pos, total]
+        """New nodes for tokens[pos:total] below `parent`, each with its whole family set
+        in one pass (nothing locked, no other tier, no children yet; the MAMBA checkpoint
+        on the last one): the bookkeeping of `_set`, done once per node."""
+        cuts = [pos, total]
+        if gapped:
+            breaks: list[int] = []
+            a, b = pos - begin, total - begin
+            for ci, absent in gapped.items():
+                # One node can store the whole span already (usually: one run of absent
+                # pages, then the window), so no breaks: every page absent or present, or
+                # for a `partial_tail` component absent pages then present ones.
+                first = absent.find(b"\x00", a, b)
+                if first < 0 or (absent.find(b"\x01", first, b) < 0
+                                 and (first == a or ci in self._tails)):
+                    continue
+                breaks.extend(self.components[ci].split_breaks(absent[a:b]))
+            if breaks:
+                cuts = [pos, *sorted({x + pos for x in breaks}), total]
         pb = self._pb
-        node = parent
-        for lo, hi in itertools.pairwise(cuts):
-            child = Node(tokens[lo * pb : hi * pb], hi - lo, node, self._ncomp)
-            child.last_access = tick
-            node.children[child.key[:pb]] = child
-            slots = [(ci, arr[lo - begin : hi - begin]) for ci, arr in provided.items()]
-            if gapped:  # a piece is absent pages, then present ones: keep the present tail
-                for i, (ci, ids) in enumerate(slots):
-                    mask = gapped.get(ci)
-                    if mask is not None:
-                        start = mask.find(b"\x00", lo - begin, hi - begin)
-                        slots[i] = (ci, ids[start - (lo - begin) :] if start >= 0 else ids[:0])
-            if checkpoint is not None and hi == total:
-                point = np.array([checkpoint], dtype=np.int64)
-                slots.extend((ci, point) for ci in self._points)
-            self._set_new(child, tier, slots)
-            node = child
-        return node
-
-    def _set_new(self, node: Node, tier: int, slots: list[tuple[int, np.ndarray]]) -> None:
-        """`_set` of a whole family on a node just created under its parent (FULL first,
-        nothing locked, no other tier; a point slot such as the MAMBA checkpoint at its
-        end included): the same bookkeeping, done once per node."""
+        ncomp = self._ncomp
         bit = 1 << tier
-        n = node.npages
         resident = self._resident[tier]
         queues = self._queues[tier]
-        mask, res = node.mask, node.res
-        for ci, ids in slots:
-            m = len(ids)
-            if m < n and ci not in self._points:  # (a point slot is one page)
-                if not m or ci not in self._tails:
-                    continue  # a tombstone (SWA pages freed out of window)
-                mask[ci] |= PARTIAL
-            mask[ci] |= bit
-            resident[ci] += m
-            res[ci * PAGED_TIERS + tier] = ids
-            if ci == FULL_INDEX:
-                assert node.parent is not None
-                self._full_arrived(node.parent, tier)
-            if not self.components[ci].child_sensitive:  # a new node has no children
-                queues[ci].offer(node)
+        tails = self._tails
+        offered = self._offered_new
+        moved = self._moved[tier] if self._child_sensitive else None
+        node = parent
+        for p in range(len(cuts) - 1):
+            lo, hi = cuts[p], cuts[p + 1]
+            n = hi - lo
+            child = Node(tokens[lo * pb : hi * pb], n, node, ncomp)
+            child.last_access = tick
+            node.children[child.key[:pb]] = child
+            mask, res = child.mask, child.res
+            a, b = lo - begin, hi - begin
+            for ci, arr in provided.items():
+                ids = arr[a:b]
+                if gapped:  # a piece is absent pages, then present ones: keep the present tail
+                    gaps = gapped.get(ci)
+                    if gaps is not None:
+                        first = gaps.find(b"\x00", a, b)
+                        if first != a:
+                            if first < 0 or ci not in tails:
+                                continue  # a tombstone (SWA pages freed out of window)
+                            ids = ids[first - a :]
+                            mask[ci] = PARTIAL
+                mask[ci] |= bit
+                resident[ci] += len(ids)
+                res[ci * PAGED_TIERS + tier] = ids
+                if ci == FULL_INDEX:  # `_full_arrived`, inlined
+                    node.nres[tier] += 1
+                    if moved is not None and node.parent is not None:  # `_window_moved`
+                        moved.append(node)
+                        if len(moved) >= _WINDOW_WALKS_AT:
+                            self._offer_moved(tier)
+                            moved = self._moved[tier]
+                if ci in offered:  # (a new node has no children: child-sensitive slots wait)
+                    queues[ci].offer(child)
+            if checkpoint is not None and hi == total:
+                point = _ONE_ID.copy()
+                point[0] = checkpoint
+                for ci in self._points:  # (one page each; never child-sensitive)
+                    mask[ci] |= bit
+                    resident[ci] += 1
+                    res[ci * PAGED_TIERS + tier] = point
+                    queues[ci].offer(child)
+            node = child
+        return node
 
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
                           tier: int) -> None:

@@ -219,6 +219,9 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
                         oracle.set(pages[: start + i + 1], kind, DEV, pid)
             if slot is not None and slot not in set(r.released[MAMBA].tolist()):
                 oracle.set(pages, MAMBA, DEV, slot)
+            for kind, arr in r.dropped.items():  # a shorter L2 copy of an SWA tail it grew
+                for pid in arr.tolist():
+                    oracle.free(kind, HOST, pid)
             if lock is not None:
                 oracle.locked = [lk for lk in oracle.locked if lk[3] is not lock]
         elif op[0] == "match":
