@@ -211,9 +211,11 @@ class CacheService(abc.ABC):
     """What the daemon serves. Implemented by `HybridCacheController`."""
 
     @abc.abstractmethod
-    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> AttachInfo:
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int, instance_id: str = "") -> AttachInfo:
         """Register (or renew) an engine and return the geometry and L1 pool handles.
-        InvalidArgument for an empty engine id or a tp_rank outside tp_size."""
+        InvalidArgument for an empty engine id or a tp_rank outside tp_size. A rank that
+        attaches with another non-empty `instance_id` than before is a new process under
+        the same engine id: its predecessor's locks and allocations are released."""
 
     @abc.abstractmethod
     def heartbeat(self, engine_id: str) -> HeartbeatInfo:

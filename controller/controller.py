@@ -35,7 +35,7 @@ from hicache.controller.base import (
     PrefetchInfo,
     StatsSnapshot,
 )
-from hicache.controller.engines import AllocationRecord, EngineRegistry, LockRecord
+from hicache.controller.engines import AllocationRecord, Engine, EngineRegistry, LockRecord
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
@@ -169,13 +169,24 @@ class HybridCacheController(CacheService):
 
     # ------------------------------------------------------------------ engines
 
-    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> AttachInfo:
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int, instance_id: str = "") -> AttachInfo:
+        """Register (or renew) an engine. An `instance_id` other than the one this rank
+        attached with before means the engine restarted under the same id: what its
+        predecessor held is released first (it is dead; nothing would ever release it)."""
         if tp_size != self.cfg.model.tp_size:
             raise InvalidArgument(
                 f"tp_size {tp_size} does not match model.tp_size {self.cfg.model.tp_size}"
             )
         with self._mu:
-            self._engines.attach(engine_id, tp_rank, tp_size)
+            _, gone = self._engines.attach(engine_id, tp_rank, tp_size, instance_id)
+            if gone is not None:
+                locks, allocs = self._release_engine(gone)
+                self.counters["engine_restarts"] += 1
+                self.counters["restart_released_locks"] += locks
+                self.counters["restart_released_allocations"] += allocs
+                log.warning("engine %s: attached again by another process (rank %d); released "
+                            "its predecessor's %d locks, %d allocations", engine_id, tp_rank,
+                            locks, allocs)
         return AttachInfo(
             page_size=self._ps,
             members=self.cfg.model.members,
@@ -192,20 +203,27 @@ class HybridCacheController(CacheService):
         with self._mu:
             gone = self._engines.lapsed()
             for engine in gone:
-                for lock_id in engine.locks:
-                    self._request_moves_on(lock_id)
-                locks, allocs = self._engines.take_handles(engine)
-                for rec in locks:
-                    if rec.tree_lock.active:
-                        self.tree.unlock(rec.tree_lock)
-                for alloc in allocs:
-                    self._free_allocation(alloc)
+                locks, allocs = self._release_engine(engine)
                 self.counters["leases_expired"] += 1
-                self.counters["lease_released_locks"] += len(locks)
-                self.counters["lease_released_allocations"] += len(allocs)
+                self.counters["lease_released_locks"] += locks
+                self.counters["lease_released_allocations"] += allocs
                 log.warning("engine %s: lease lapsed; released %d locks, %d allocations",
-                            engine.engine_id, len(locks), len(allocs))
+                            engine.engine_id, locks, allocs)
             return len(gone)
+
+    def _release_engine(self, engine: Engine) -> tuple[int, int]:
+        """Caller holds the mutex. Release every handle of an engine record that left the
+        registry (lease lapsed, or a new process attached in its place); returns the
+        (locks, allocations) released."""
+        for lock_id in engine.locks:
+            self._request_moves_on(lock_id)
+        locks, allocs = self._engines.take_handles(engine)
+        for rec in locks:
+            if rec.tree_lock.active:
+                self.tree.unlock(rec.tree_lock)
+        for alloc in allocs:
+            self._free_allocation(alloc)
+        return len(locks), len(allocs)
 
     # ------------------------------------------------------------------ match
 

@@ -6,7 +6,8 @@ that made it; an engine whose lease lapsed loses every handle at the next sweep.
 
 from __future__ import annotations
 
-import itertools
+import os
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class Engine:
     expires_at: float
     locks: set[int] = field(default_factory=set)
     allocations: set[int] = field(default_factory=set)
+    instances: dict[int, str] = field(default_factory=dict)  # tp_rank -> its process's instance id
 
 
 MAX_ENGINE_ID = 256
@@ -60,22 +62,38 @@ class EngineRegistry:
         self._engines: dict[str, Engine] = {}
         self._locks: dict[int, LockRecord] = {}
         self._allocations: dict[int, AllocationRecord] = {}
-        self._ids = itertools.count(1)
+        # Handle ids are drawn at random, not counted from 1: an id an engine kept from
+        # before a daemon restart must not name another request's lock or allocation here.
+        self._rng = random.Random(int.from_bytes(os.urandom(16), "little"))
         self._lapsed: OrderedDict[str, None] = OrderedDict()  # recently expired engine ids
 
-    def attach(self, engine_id: str, tp_rank: int, tp_size: int) -> Engine:
+    def attach(self, engine_id: str, tp_rank: int, tp_size: int,
+               instance_id: str = "") -> tuple[Engine, Engine | None]:
+        """(the engine, its dead predecessor or None). The predecessor is the record of a
+        process that attached this rank under another `instance_id`: it is out of the
+        registry, its handles the caller's to release (as for a lapsed lease)."""
         if not engine_id:
             raise InvalidArgument("engine_id: must be a non-empty string")
         if len(engine_id) > MAX_ENGINE_ID:  # (it travels in a metadata header on every call)
             raise InvalidArgument(f"engine_id: {len(engine_id)} characters, at most {MAX_ENGINE_ID}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        if len(instance_id) > MAX_ENGINE_ID:
+            raise InvalidArgument(f"instance_id: {len(instance_id)} characters, at most {MAX_ENGINE_ID}")
         engine = self._engines.get(engine_id)
+        gone = None
+        if engine is not None and instance_id:
+            before = engine.instances.get(tp_rank)
+            if before is not None and before != instance_id:
+                gone = self._engines.pop(engine_id)
+                engine = None
         if engine is None:
             engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
             self._lapsed.pop(engine_id, None)
+        if instance_id:
+            engine.instances[tp_rank] = instance_id
         engine.expires_at = self._clock() + self.lease_s
-        return engine
+        return engine, gone
 
     def engine(self, engine_id: str) -> Engine:
         engine = self._engines.get(engine_id)
@@ -96,7 +114,10 @@ class EngineRegistry:
         return engine
 
     def new_id(self) -> int:
-        return next(self._ids)
+        while True:
+            handle = self._rng.getrandbits(63)
+            if handle and handle not in self._locks and handle not in self._allocations:
+                return handle
 
     # locks ---------------------------------------------------------------------------
 

@@ -11,8 +11,17 @@
 Results are the core's frozen dataclasses (`MatchOutcome`, `InsertOutcome`, ...) with
 page ids as numpy arrays; failures are re-raised as `hicache.errors` types. After `attach`
 a background thread heartbeats every `lease_ms / 3`, so the daemon keeps this engine's
-locks and allocations; `close()` stops it. Calls that fail with UNAVAILABLE are retried a
-bounded number of times.
+locks and allocations; `close()` stops it.
+
+Retries: calls that are safe to repeat (Attach, Heartbeat, PrefetchStatus, CancelPrefetch,
+Release, CloseSession, Stats, Health, Flush) are retried a bounded number of times on
+UNAVAILABLE. The others (MatchPrefix, Allocate, Insert, Load, a Batch holding one of them)
+may have taken effect when the connection broke, so they are sent once, after waiting
+(as long as those retries would) for a connection that is down; an UNAVAILABLE is raised.
+
+When the daemon forgets this engine (it restarted, or the lease lapsed), the heartbeat
+sees it: `detached` says why, `on_detached` is called once, and heartbeats stop until
+`attach()` is called again (the pools must be mapped anew: a restarted daemon has new ones).
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.endpoint import parse_address
-from hicache.errors import HicacheError, InvalidArgument
+from hicache.errors import FailedPrecondition, HicacheError, InvalidArgument, NotFound
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
@@ -58,6 +67,11 @@ log = logging.getLogger("hicache.client")
 
 Tokens = bytes | np.ndarray | Iterable[int]
 T = TypeVar("T")
+
+# Batch ops that are safe to send again (the daemon answers a repeat the same way, or
+# NotFound for a handle the first attempt released).
+_REPEATABLE_OPS = frozenset({"attach", "heartbeat", "prefetch_status", "cancel_prefetch",
+                             "release", "close_session", "stats"})
 
 # BatchResult field -> how to read it.
 _RESULT_READERS: dict[str, Callable[[Any], Any]] = {
@@ -96,18 +110,26 @@ class Client:
         tls: bool | None = None,
         timeout_s: float = 30.0,
         retries: int = 3,
+        on_detached: Callable[[HicacheError], None] | None = None,
     ) -> None:
         """`tls`: None picks what the daemon does: TLS on a non-loopback TCP address (the
         daemon refuses plaintext there) or whenever `root_certificates` (PEM) are given,
-        plaintext otherwise; True/False force it. A unix socket is never TLS."""
+        plaintext otherwise; True/False force it. A unix socket is never TLS.
+        `on_detached(error)`: called (on the heartbeat thread) when the daemon no longer
+        knows this engine."""
         endpoint = parse_address(target)
         if tls is None:
             tls = root_certificates is not None or not (endpoint.is_unix or endpoint.is_loopback)
         if tls and endpoint.is_unix:
             raise InvalidArgument(f"{target}: TLS is for TCP addresses; a unix socket is never TLS")
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        # This process's attachment: a restarted engine reusing `engine_id` sends another
+        # one, and the daemon releases what its dead predecessor held.
+        self.instance_id = uuid.uuid4().hex
         self.timeout_s = timeout_s
         self.retries = retries
+        self.on_detached = on_detached
+        self.detached: HicacheError | None = None
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
@@ -123,20 +145,52 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        # The channel's connectivity, kept by gRPC's callback (reading it costs nothing).
+        self._connected = threading.Event()
+        self._channel.subscribe(self._on_connectivity, try_to_connect=False)
 
     # ------------------------------------------------------------------ plumbing
 
-    def _call(self, fn: Callable[..., T], request: Any) -> T:
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    def _call(self, fn: Callable[..., T], request: Any, *, repeatable: bool = False,
+              released_ok: bool = False) -> T:
+        """One RPC. `repeatable`: retried on UNAVAILABLE (with `released_ok`, a NotFound
+        after a retry means the attempt before it released the handle: done). Otherwise
+        sent once, after waiting for a connection that is down as long as the retries
+        would have slept: a call that may have reached the daemon is never sent twice."""
         delay = 0.05
+        if not repeatable:
+            if not self._connected.is_set():
+                self._await_connection(delay * ((1 << self.retries) - 1))
+            try:
+                return fn(request, metadata=self._metadata, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
         for attempt in range(self.retries + 1):
             try:
                 return fn(request, metadata=self._metadata, timeout=self.timeout_s)
             except grpc.RpcError as e:
+                if released_ok and attempt and e.code() is grpc.StatusCode.NOT_FOUND:
+                    return None  # type: ignore[return-value]
                 if e.code() not in RETRYABLE or attempt == self.retries:
                     raise from_rpc_error(e) from None
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
+
+    def _await_connection(self, timeout_s: float) -> None:
+        """Ask the channel to connect and wait up to `timeout_s` for it (not an error when
+        it does not: the call then fails with UNAVAILABLE, unsent)."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            ready.cancel()
 
     def __enter__(self) -> Client:
         return self
@@ -148,6 +202,7 @@ class Client:
         self._heartbeat_stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
+        self._channel.unsubscribe(self._on_connectivity)
         self._channel.close()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
@@ -165,7 +220,9 @@ class Client:
         """Register this engine, map the L1 pools and start heartbeating."""
         r = self._call(
             self._stub.Attach,
-            pb.AttachRequest(engine_id=self.engine_id, tp_rank=tp_rank, tp_size=tp_size),
+            pb.AttachRequest(engine_id=self.engine_id, tp_rank=tp_rank, tp_size=tp_size,
+                             instance_id=self.instance_id),
+            repeatable=True,
         )
         info = convert.attach_from_pb(r)
         self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id))
@@ -174,22 +231,40 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools)
-        if self._heartbeat_thread is None:
+        self.detached = None
+        if self._heartbeat_thread is None or not self._heartbeat_thread.is_alive():
             self._start_heartbeat(info.lease_ms / 3e3)
         return Attachment(info=info, pools=pools)
 
     def heartbeat(self) -> HeartbeatInfo:
         return convert.heartbeat_from_pb(
-            self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=self.engine_id))
+            self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=self.engine_id),
+                       repeatable=True)
         )
 
     def _start_heartbeat(self, interval_s: float) -> None:
         def loop() -> None:
+            failing = False
             while not self._heartbeat_stop.wait(interval_s):
                 try:
                     self.heartbeat()
+                    failing = False
+                except (NotFound, FailedPrecondition) as e:
+                    # The daemon does not know this engine (it restarted, or the lease
+                    # lapsed): every handle is gone and the pools may be new. Only a new
+                    # attach() mends that; heartbeating on would only log.
+                    self.detached = e
+                    log.error("hicache daemon lost this engine (%s): call attach() again", e)
+                    if self.on_detached is not None:
+                        try:
+                            self.on_detached(e)
+                        except Exception:
+                            log.exception("on_detached callback failed")
+                    return
                 except HicacheError as e:  # keep trying: the daemon may come back
-                    log.warning("heartbeat failed: %s", e)
+                    if not failing:
+                        log.warning("heartbeat failed: %s (retrying every %.1f s)", e, interval_s)
+                    failing = True
 
         self._heartbeat_thread = threading.Thread(target=loop, name="hicache-heartbeat", daemon=True)
         self._heartbeat_thread.start()
@@ -242,7 +317,8 @@ class Client:
         return convert.insert_from_pb(self._call(self._stub.Insert, req))
 
     def release(self, *, lock_id: int | None = None, allocation_id: int | None = None) -> None:
-        self._call(self._stub.Release, release_op(lock_id=lock_id, allocation_id=allocation_id).release)
+        self._call(self._stub.Release, release_op(lock_id=lock_id, allocation_id=allocation_id).release,
+                   repeatable=True, released_ok=True)
 
     def load(self, lock_id: int) -> Iterator[LoadProgress]:
         """Per-layer progress of moving a locked match's L2 part into L1; the last item
@@ -255,21 +331,26 @@ class Client:
             raise from_rpc_error(e) from None
 
     def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
-        r = self._call(self._stub.PrefetchStatus, pb.PrefetchStatusRequest(prefetch_id=prefetch_id))
+        r = self._call(self._stub.PrefetchStatus, pb.PrefetchStatusRequest(prefetch_id=prefetch_id),
+                       repeatable=True)
         return convert.prefetch_from_pb(r)
 
     def cancel_prefetch(self, prefetch_id: int) -> int:
-        r = self._call(self._stub.CancelPrefetch, pb.CancelPrefetchRequest(prefetch_id=prefetch_id))
+        r = self._call(self._stub.CancelPrefetch, pb.CancelPrefetchRequest(prefetch_id=prefetch_id),
+                       repeatable=True)
         return int(r.tokens_ready)
 
     def close_session(self, session_id: str) -> int:
-        r = self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
-        return int(r.released_refs)
+        r = self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
+                       repeatable=True, released_ok=True)
+        return int(r.released_refs) if r is not None else 0
 
     def batch(self, ops: Sequence[pb.BatchOp]) -> list[Any]:
         """Run ops (built with `match_op`, `insert_op`, ...) in one call. Each result is
-        the op's typed result, or the `HicacheError` it failed with (not raised)."""
-        r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops))
+        the op's typed result, or the `HicacheError` it failed with (not raised). Sent
+        once unless every op is safe to repeat (see the module's notes on retries)."""
+        repeatable = all(op.WhichOneof("op") in _REPEATABLE_OPS for op in ops)
+        r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
         out: list[Any] = []
         for result in r.results:
             kind = result.WhichOneof("result")
@@ -312,8 +393,6 @@ class Client:
     def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0) -> None:
         """Release what is still held, both handles in one call (each its own op, so one
         failing leaves the other released); handles an Insert consumed are fine."""
-        from hicache.errors import NotFound
-
         ops = ([release_op(lock_id=lock_id)] if lock_id else []) + (
             [release_op(allocation_id=allocation_id)] if allocation_id else [])
         if not ops:
@@ -325,18 +404,22 @@ class Client:
     # ------------------------------------------------------------------ operator calls
 
     def stats(self) -> StatsSnapshot:
-        return convert.stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
+        return convert.stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest(), repeatable=True))
 
     def health(self, deep: bool = False) -> tuple[BackendHealth, ...]:
-        return convert.health_from_pb(self._call(self._admin.Health, apb.HealthRequest(deep=deep)))
+        return convert.health_from_pb(
+            self._call(self._admin.Health, apb.HealthRequest(deep=deep), repeatable=True)
+        )
 
     def flush(self, timeout_s: float = 0.0) -> int:
-        r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)))
+        r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)),
+                       repeatable=True)
         return int(r.pages_written)
 
     def serving(self, service: str = "") -> bool:
         """The standard grpc.health.v1 status (overall by default)."""
-        r = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        r = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
+                       repeatable=True)
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
 

@@ -127,7 +127,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
         return convert.attach_to_pb(
-            self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size), r.tp_rank
+            self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size, r.instance_id),
+            r.tp_rank,
         )
 
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:

@@ -489,6 +489,47 @@ def test_lapsed_lease_releases_locks_and_allocations(make) -> None:
     assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
 
 
+def test_a_rank_attaching_as_another_process_releases_the_engines_handles(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1, instance_id="first")
+    m = ctl.match("e1", MatchRequest("", seq(2), lock=True, allocate_tokens=8))
+    ctl.attach("e1", 0, 1, instance_id="first")  # the same process again: nothing changes
+    ctl.attach("e1", 0, 1)  # (no instance id: an older client, taken over as it is)
+    assert (ctl.heartbeat("e1").locks, ctl.heartbeat("e1").allocations) == (1, 1)
+    ctl.attach("e1", 0, 1, instance_id="second")  # a new process under the same id
+    assert (ctl.heartbeat("e1").locks, ctl.heartbeat("e1").allocations) == (0, 0)
+    with pytest.raises(NotFound):
+        ctl.release("e1", m.lock_id, None)
+    counters = ctl.stats().counters
+    assert (counters["engine_restarts"], counters["restart_released_locks"],
+            counters["restart_released_allocations"]) == (1, 1, 1)
+    assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
+    ctl.check_integrity()
+
+
+def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
+    from hicache.controller.engines import EngineRegistry
+
+    reg = EngineRegistry(lease_s=30)
+    assert reg.attach("e", 0, 2, "rank0-pid1")[1] is None
+    assert reg.attach("e", 1, 2, "rank1-pid2")[1] is None  # another rank: not a restart
+    assert reg.attach("e", 1, 2, "rank1-pid2")[1] is None
+    gone = reg.attach("e", 1, 2, "rank1-pid3")[1]  # rank 1 restarted
+    assert gone is not None and gone.instances == {0: "rank0-pid1", 1: "rank1-pid2"}
+    assert reg.attach("e", 0, 2, "rank0-pid4")[1] is None  # the new record knows rank 1 only
+
+
+def test_handle_ids_are_random_nonzero_and_unique() -> None:
+    from hicache.controller.engines import EngineRegistry
+
+    a, b = EngineRegistry(lease_s=30), EngineRegistry(lease_s=30)
+    ids = [a.new_id() for _ in range(1000)]
+    assert all(0 < i < 1 << 63 for i in ids) and len(set(ids)) == len(ids)
+    # Another process (a restarted daemon) does not hand out the same ids.
+    assert set(ids).isdisjoint(b.new_id() for _ in range(1000))
+    assert sorted(ids) != ids
+
+
 def test_l2_to_l3_write_back_writes_on_eviction_and_frees_after(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_back")
     eng = Engine(ctl)

@@ -51,14 +51,16 @@ class MemberPages(_message.Message):
     def __init__(self, member: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "tp_size")
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "instance_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     tp_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("name", "component", "anchor", "layers", "bytes_per_page_per_layer", "window_tokens")

@@ -1,0 +1,127 @@
+"""Engines and daemons that restart: handles never alias across a daemon restart, an
+engine restarted under its id does not inherit (and leak) its predecessor's handles, a
+call whose answer was lost is not applied twice, and the client says when the daemon
+forgot it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from hicache.errors import FailedPrecondition, NotFound, Unavailable
+
+from .cutproxy import CutProxy
+from .daemonkit import PAGE, Daemon, free_port, tokens
+
+MakeDaemon = Callable[..., Daemon]
+
+
+def device_pages(c) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(locked, used) L1 pages."""
+    pool = next(p for p in c.stats().pools if p.tier == "device")
+    return pool.locked_pages, pool.used_pages
+
+
+def test_an_engine_restarted_under_its_id_releases_what_its_predecessor_held(
+    make_daemon: MakeDaemon,
+) -> None:
+    d = make_daemon()
+    first = d.client(engine_id="engine-0")
+    first.attach(map_pools=False)
+    m = first.match(tokens(2 * PAGE, start=100), lock=True, allocate_tokens=2 * PAGE)
+    assert device_pages(first) == (0, 2)
+    # The process dies without a word (no release, no close), and a new one takes its id.
+    first._heartbeat_stop.set()
+    with d.client(engine_id="engine-0") as second:
+        second.attach(map_pools=False)
+        hb = second.heartbeat()
+        assert (hb.locks, hb.allocations) == (0, 0)
+        assert device_pages(second) == (0, 0)
+        with pytest.raises(NotFound):
+            second.release(allocation_id=m.allocation_id)
+        # The same process attaching again keeps what it holds.
+        m2 = second.match(tokens(2 * PAGE, start=100), lock=True, allocate_tokens=2 * PAGE)
+        second.attach(map_pools=False)
+        assert second.heartbeat().allocations == 1
+        second.release(lock_id=m2.lock_id)
+        second.release(allocation_id=m2.allocation_id)
+    first._channel.close()
+    assert "predecessor's 1 locks, 1 allocations" in d.log()
+
+
+def test_handles_from_before_a_daemon_restart_name_nothing_after_it(make_daemon: MakeDaemon) -> None:
+    d = make_daemon()
+    with d.client(engine_id="engine-0") as c:
+        c.attach(map_pools=False)
+        old = c.match(tokens(2 * PAGE, start=300), lock=True, allocate_tokens=2 * PAGE)
+        assert d.stop() == 0
+        d.start()
+        c.attach(map_pools=False)
+        new = c.match(tokens(2 * PAGE, start=700), lock=True, allocate_tokens=2 * PAGE)
+        # Counted from 1 in each process, the old ids were the new ones: an Insert with
+        # them would have committed this request's pages under the old tokens.
+        assert {old.lock_id, old.allocation_id}.isdisjoint({new.lock_id, new.allocation_id})
+        with pytest.raises(NotFound):
+            c.insert(tokens(2 * PAGE, start=300), lock_id=old.lock_id, allocation_id=old.allocation_id)
+        c.insert(tokens(2 * PAGE, start=700), lock_id=new.lock_id, allocation_id=new.allocation_id)
+        assert c.match(tokens(2 * PAGE, start=300)).device_tokens == 0
+
+
+def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon) -> None:
+    port = free_port()
+    make_daemon(listen=f"127.0.0.1:{port}")
+    proxy = CutProxy(port)
+    try:
+        with make_client(proxy.port) as c:
+            c.attach(map_pools=False)
+            proxy.armed = 1
+            with pytest.raises(Unavailable):
+                c.match(tokens(2 * PAGE, start=900), lock=True, allocate_tokens=2 * PAGE)
+            assert proxy.cuts == 1
+            # The daemon ran it once (a retry would have made a second lock and
+            # allocation that nobody knows of, kept alive by the heartbeat).
+            hb = c.heartbeat()
+            assert (hb.locks, hb.allocations) == (1, 1)
+
+            # A release is safe to repeat: the retry's NotFound means the lost attempt did it.
+            m = c.match(tokens(2 * PAGE, start=1900), lock=True, allocate_tokens=2 * PAGE)
+            proxy.armed = 1
+            c.release(allocation_id=m.allocation_id)
+            assert proxy.cuts == 2
+            c.release(lock_id=m.lock_id)
+            hb = c.heartbeat()
+            assert (hb.locks, hb.allocations) == (1, 1)
+    finally:
+        proxy.close()
+
+
+def make_client(port: int):  # type: ignore[no-untyped-def]
+    from hicache.client import Client
+
+    return Client(f"127.0.0.1:{port}", engine_id="engine-0", timeout_s=5)
+
+
+def test_the_client_says_when_the_daemon_forgot_it_and_attaches_again(make_daemon: MakeDaemon) -> None:
+    d = make_daemon("server.lease_ms=600")
+    seen: list[Exception] = []
+    called = threading.Event()
+
+    def on_detached(e: Exception) -> None:
+        seen.append(e)
+        called.set()
+
+    with d.client(engine_id="engine-0", on_detached=on_detached) as c:
+        c.attach(map_pools=False)
+        assert d.stop() == 0
+        d.start()
+        assert called.wait(10)
+        assert isinstance(c.detached, FailedPrecondition) and "not attached" in str(c.detached)
+        time.sleep(0.5)  # heartbeats stopped: one report, not one per beat
+        assert len(seen) == 1
+        c.attach(map_pools=False)
+        assert c.detached is None
+        time.sleep(0.8)  # past the lease: the restarted heartbeat keeps the engine
+        assert c.heartbeat().lease_ms == 600
