@@ -385,11 +385,13 @@ class HybridCacheController(CacheService):
         return got, slot
 
     def _new_allocation(self, engine_id: str, namespace: str, tokens: int, lock_id: int | None,
-                        start: Callable[[], tuple[int, np.ndarray | None]]) -> tuple[int, PagesByMember]:
+                        start: Callable[[], tuple[int, np.ndarray | None]],
+                        made_for: Engine | None = None) -> tuple[int, PagesByMember]:
         """A new allocation of `tokens`. Allocating may wait for queued copies with the
         mutex released, so what it continues is read only afterwards: `start()` gives the
         token page it starts at and the checkpoint to copy (or raises NotFound, the lock
-        it extends being gone meanwhile; the pages are then freed)."""
+        it extends being gone meanwhile; the pages are then freed). `made_for`: the engine
+        record the call renewed; a process attached in its place meanwhile gets nothing."""
         n = -(-tokens // self._ps)
         pages, slot = self._allocate_family(n, MAMBA in self._kinds)
         try:
@@ -401,7 +403,7 @@ class HybridCacheController(CacheService):
             self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
         record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
         try:
-            alloc_id = self._engines.add_allocation(record)
+            alloc_id = self._engines.add_allocation(record, made_for)
         except BaseException:  # the engine's lease lapsed meanwhile: nobody would free them
             self._free_allocation(record)
             raise
@@ -416,7 +418,7 @@ class HybridCacheController(CacheService):
     def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo:
         self._check_count("num_tokens", req.num_tokens, 1)
         with self._mu:
-            self._engines.renew(engine_id)
+            engine = self._engines.renew(engine_id)
             if req.allocation_id:
                 self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
                 grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
@@ -448,7 +450,7 @@ class HybridCacheController(CacheService):
                 return self.tree.depth_tokens(lock.device_end) // self._ps, checkpoint
 
             alloc_id, pages = self._new_allocation(
-                engine_id, req.namespace, req.num_tokens, req.lock_id or None, start
+                engine_id, req.namespace, req.num_tokens, req.lock_id or None, start, engine
             )
             return AllocationInfo(alloc_id, pages)
 

@@ -143,9 +143,14 @@ class EngineRegistry:
 
     # allocations ---------------------------------------------------------------------
 
-    def add_allocation(self, record: AllocationRecord) -> int:
-        """Raises (and records nothing) when the engine is not attached."""
+    def add_allocation(self, record: AllocationRecord, made_for: Engine | None = None) -> int:
+        """Raises (and records nothing) when the engine is not attached, or (`made_for`:
+        the record the call renewed) when another process attached under its id since:
+        the handle would land with a process that never asked for it."""
         engine = self.engine(record.engine_id)
+        if made_for is not None and engine is not made_for:
+            raise NotFound(f"engine {record.engine_id!r} was attached again by another process "
+                           "while this call waited; the call's engine is gone")
         alloc_id = self.new_id()
         self._allocations[alloc_id] = record
         engine.allocations.add(alloc_id)

@@ -121,10 +121,11 @@ class ExistenceCache:
             present = self._present
             # Set operations and one update run in C: a cold 32K-token prompt adds 512
             # keys per member, which one Python step per key made cost ~0.4 ms.
-            for key in present.keys() & keys:  # known already: most recent again
-                present.move_to_end(key)
-            # Reversed: a run's head ends most recent, so the cache lets go of tails first
-            # (a lookup stops at the first key it has lost and asks the store from there).
+            for key in present.keys() & keys:  # known already: taken out, to go in again
+                del present[key]
+            # Reversed (known keys too): a run's head ends most recent, so the cache lets go
+            # of tails first (a lookup stops at the first key it has lost and asks the
+            # store from there).
             present.update(dict.fromkeys(reversed(keys)))
             if self._absent:
                 for key in self._absent.keys() & keys:

@@ -27,6 +27,7 @@ sees it: `detached` says why, `on_detached` is called once, and heartbeats stop 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -64,6 +65,19 @@ if TYPE_CHECKING:  # torch costs seconds to import; the probe path never maps po
     import torch
 
 log = logging.getLogger("hicache.client")
+
+# This process's attachment id (every Client in it shares it; a forked child draws its
+# own): an engine restarted under the same engine id sends another one, and the daemon
+# releases what its dead predecessor held.
+_INSTANCE_ID = uuid.uuid4().hex
+
+
+def _new_instance_id() -> None:
+    global _INSTANCE_ID
+    _INSTANCE_ID = uuid.uuid4().hex
+
+
+os.register_at_fork(after_in_child=_new_instance_id)
 
 Tokens = bytes | np.ndarray | Iterable[int]
 T = TypeVar("T")
@@ -123,9 +137,6 @@ class Client:
         if tls and endpoint.is_unix:
             raise InvalidArgument(f"{target}: TLS is for TCP addresses; a unix socket is never TLS")
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
-        # This process's attachment: a restarted engine reusing `engine_id` sends another
-        # one, and the daemon releases what its dead predecessor held.
-        self.instance_id = uuid.uuid4().hex
         self.timeout_s = timeout_s
         self.retries = retries
         self.on_detached = on_detached
@@ -145,17 +156,16 @@ class Client:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
-        # The channel's connectivity, kept by gRPC's callback (reading it costs nothing).
-        self._connected = threading.Event()
-        self._channel.subscribe(self._on_connectivity, try_to_connect=False)
+        self._heartbeat_mu = threading.Lock()
+        self._attaches = 0  # successful attach() calls: a heartbeat answer older than one is moot
+        # A call went through since the last UNAVAILABLE: the connection is (likely) up.
+        self._reached = False
 
     # ------------------------------------------------------------------ plumbing
 
-    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
-        if state is grpc.ChannelConnectivity.READY:
-            self._connected.set()
-        else:
-            self._connected.clear()
+    @property
+    def instance_id(self) -> str:
+        return _INSTANCE_ID
 
     def _call(self, fn: Callable[..., T], request: Any, *, repeatable: bool = False,
               released_ok: bool = False) -> T:
@@ -165,32 +175,47 @@ class Client:
         would have slept: a call that may have reached the daemon is never sent twice."""
         delay = 0.05
         if not repeatable:
-            if not self._connected.is_set():
-                self._await_connection(delay * ((1 << self.retries) - 1))
+            if not self._reached:
+                self._reach(delay * ((1 << self.retries) - 1))
             try:
                 return fn(request, metadata=self._metadata, timeout=self.timeout_s)
             except grpc.RpcError as e:
+                if e.code() in RETRYABLE:
+                    self._reached = False
                 raise from_rpc_error(e) from None
         for attempt in range(self.retries + 1):
             try:
-                return fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                out = fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                self._reached = True
+                return out
             except grpc.RpcError as e:
                 if released_ok and attempt and e.code() is grpc.StatusCode.NOT_FOUND:
+                    self._reached = True
                     return None  # type: ignore[return-value]
+                if e.code() in RETRYABLE:
+                    self._reached = False
                 if e.code() not in RETRYABLE or attempt == self.retries:
                     raise from_rpc_error(e) from None
                 time.sleep(delay)
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _await_connection(self, timeout_s: float) -> None:
-        """Ask the channel to connect and wait up to `timeout_s` for it (not an error when
-        it does not: the call then fails with UNAVAILABLE, unsent)."""
-        ready = grpc.channel_ready_future(self._channel)
+    def _reach(self, timeout_s: float) -> None:
+        """Before a call that must not be sent twice, when no call went through since the
+        connection last failed: a health check that waits up to `timeout_s` for the
+        daemon. Unreachable by then: `Unavailable`, and the call is never sent."""
+        if timeout_s <= 0:
+            return
         try:
-            ready.result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            ready.cancel()
+            self._health.Check(health_pb2.HealthCheckRequest(), metadata=self._metadata,
+                               timeout=timeout_s, wait_for_ready=True)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                from hicache.errors import Unavailable
+
+                raise Unavailable(f"daemon not reachable within {timeout_s:.2f} s "
+                                  f"({e.details()}); the call was not sent") from None
+        self._reached = True  # (another answer, e.g. UNAUTHENTICATED: the daemon is there)
 
     def __enter__(self) -> Client:
         return self
@@ -202,7 +227,6 @@ class Client:
         self._heartbeat_stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
-        self._channel.unsubscribe(self._on_connectivity)
         self._channel.close()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
@@ -221,7 +245,7 @@ class Client:
         r = self._call(
             self._stub.Attach,
             pb.AttachRequest(engine_id=self.engine_id, tp_rank=tp_rank, tp_size=tp_size,
-                             instance_id=self.instance_id),
+                             instance_id=_INSTANCE_ID),
             repeatable=True,
         )
         info = convert.attach_from_pb(r)
@@ -231,9 +255,11 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools)
-        self.detached = None
-        if self._heartbeat_thread is None or not self._heartbeat_thread.is_alive():
-            self._start_heartbeat(info.lease_ms / 3e3)
+        with self._heartbeat_mu:
+            self._attaches += 1
+            self.detached = None
+            if self._heartbeat_thread is None:  # (a detached one cleared itself first)
+                self._start_heartbeat(info.lease_ms / 3e3)
         return Attachment(info=info, pools=pools)
 
     def heartbeat(self) -> HeartbeatInfo:
@@ -246,6 +272,7 @@ class Client:
         def loop() -> None:
             failing = False
             while not self._heartbeat_stop.wait(interval_s):
+                attaches = self._attaches
                 try:
                     self.heartbeat()
                     failing = False
@@ -253,7 +280,11 @@ class Client:
                     # The daemon does not know this engine (it restarted, or the lease
                     # lapsed): every handle is gone and the pools may be new. Only a new
                     # attach() mends that; heartbeating on would only log.
-                    self.detached = e
+                    with self._heartbeat_mu:
+                        if self._attaches != attaches:
+                            continue  # attached again while this beat was under way
+                        self._heartbeat_thread = None  # attach() starts a new one
+                        self.detached = e
                     log.error("hicache daemon lost this engine (%s): call attach() again", e)
                     if self.on_detached is not None:
                         try:

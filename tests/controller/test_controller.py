@@ -507,6 +507,26 @@ def test_a_rank_attaching_as_another_process_releases_the_engines_handles(make) 
     ctl.check_integrity()
 
 
+def test_an_allocate_that_waited_through_an_engine_restart_gets_nothing(make) -> None:
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1, instance_id="first")
+    allocate_l1 = ctl.transfers.allocate_l1
+
+    def restart_meanwhile(kind, n):  # type: ignore[no-untyped-def]
+        # Allocating may wait for queued copies with the mutex free; the restarted
+        # process attaches right then (another gRPC thread).
+        ctl.transfers.allocate_l1 = allocate_l1
+        ctl.attach("e1", 0, 1, instance_id="second")
+        return allocate_l1(kind, n)
+
+    ctl.transfers.allocate_l1 = restart_meanwhile
+    with pytest.raises(NotFound, match="attached again by another process"):
+        ctl.allocate("e1", AllocateRequest("", 8))
+    assert ctl.heartbeat("e1").allocations == 0  # not filed under the new process
+    assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
+    ctl.check_integrity()
+
+
 def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
     from hicache.controller.engines import EngineRegistry
 

@@ -86,3 +86,14 @@ def test_a_lookup_keeps_the_head_of_its_run_most_recent() -> None:
     cache.add_present(new)  # room for 4: mid goes, then old's tail
     assert cache.known_run(old) == (2, False)
     assert cache.known_run(keys(2, "mid")) == (0, False)
+
+
+def test_a_run_grown_from_known_keys_keeps_its_head_most_recent() -> None:
+    # A lookup adds the keys it knew with the ones the store confirmed: the known head
+    # must not stay behind the new tail (it would be let go first).
+    cache = ExistenceCache(capacity=8)
+    run = keys(8, "run")
+    cache.add_present(run[:4])
+    cache.add_present(run)
+    cache.add_present(keys(4, "other"))  # room for 4: the run's tail goes
+    assert cache.known_run(run) == (4, False)

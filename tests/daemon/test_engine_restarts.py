@@ -5,6 +5,10 @@ forgot it."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -25,30 +29,45 @@ def device_pages(c) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     return pool.locked_pages, pool.used_pages
 
 
+DYING_ENGINE = textwrap.dedent(
+    """
+    import os, sys, numpy as np
+    from hicache.client import Client
+    c = Client(sys.argv[1], engine_id="engine-0")
+    c.attach(map_pools=False)
+    m = c.match(np.arange(100, 228, dtype="<u4").tobytes(), lock=True, allocate_tokens=128)
+    print(m.allocation_id, flush=True)
+    os.kill(os.getpid(), 9)
+    """
+)
+
+
 def test_an_engine_restarted_under_its_id_releases_what_its_predecessor_held(
     make_daemon: MakeDaemon,
 ) -> None:
     d = make_daemon()
-    first = d.client(engine_id="engine-0")
-    first.attach(map_pools=False)
-    m = first.match(tokens(2 * PAGE, start=100), lock=True, allocate_tokens=2 * PAGE)
-    assert device_pages(first) == (0, 2)
-    # The process dies without a word (no release, no close), and a new one takes its id.
-    first._heartbeat_stop.set()
+    # The process dies without a word (no release, no close) ...
+    out = subprocess.run([sys.executable, "-c", DYING_ENGINE, d.target],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    dead_allocation = int(out.stdout)
+    # ... and its successor attaches under the same id at once, long before the lease lapses.
     with d.client(engine_id="engine-0") as second:
+        assert device_pages(second) == (0, 2)
         second.attach(map_pools=False)
         hb = second.heartbeat()
         assert (hb.locks, hb.allocations) == (0, 0)
         assert device_pages(second) == (0, 0)
         with pytest.raises(NotFound):
-            second.release(allocation_id=m.allocation_id)
-        # The same process attaching again keeps what it holds.
+            second.release(allocation_id=dead_allocation)
+        # The same process attaching again (another Client in it, too) keeps what it holds.
         m2 = second.match(tokens(2 * PAGE, start=100), lock=True, allocate_tokens=2 * PAGE)
         second.attach(map_pools=False)
+        with d.client(engine_id="engine-0") as sibling:
+            sibling.attach(map_pools=False)
         assert second.heartbeat().allocations == 1
         second.release(lock_id=m2.lock_id)
         second.release(allocation_id=m2.allocation_id)
-    first._channel.close()
     assert "predecessor's 1 locks, 1 allocations" in d.log()
 
 
@@ -125,3 +144,46 @@ def test_the_client_says_when_the_daemon_forgot_it_and_attaches_again(make_daemo
         assert c.detached is None
         time.sleep(0.8)  # past the lease: the restarted heartbeat keeps the engine
         assert c.heartbeat().lease_ms == 600
+
+
+def test_attaching_again_from_on_detached_keeps_the_engine_alive(make_daemon: MakeDaemon) -> None:
+    d = make_daemon("server.lease_ms=600")
+    reattached = threading.Event()
+    with d.client(engine_id="engine-0") as c:
+        def on_detached(_e: Exception) -> None:  # runs on the heartbeat thread
+            c.attach(map_pools=False)
+            reattached.set()
+
+        c.on_detached = on_detached
+        c.attach(map_pools=False)
+        assert d.stop() == 0
+        d.start()
+        assert reattached.wait(10) and c.detached is None
+        m = c.match(tokens(2 * PAGE, start=2500), lock=True, allocate_tokens=2 * PAGE)
+        time.sleep(1.5)  # 2.5 leases: only a live heartbeat keeps the handles
+        c.insert(tokens(2 * PAGE, start=2500), lock_id=m.lock_id, allocation_id=m.allocation_id)
+
+
+def test_a_call_not_safe_to_repeat_is_not_sent_while_the_daemon_is_down(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hicache.client import Client
+
+    with Client(f"unix://{tmp_path}/nobody.sock", engine_id="engine-0", timeout_s=60) as c:
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="was not sent"):
+            c.match(tokens(PAGE), lock=True)
+        assert time.monotonic() - t0 < 20  # a short wait for a connection, not timeout_s
+
+
+def test_clients_dropped_without_close_are_collected(make_daemon: MakeDaemon) -> None:
+    import gc
+    import weakref
+
+    d = make_daemon()
+    refs = []
+    for _ in range(3):
+        c = d.client(engine_id="engine-0")
+        c.serving()
+        refs.append(weakref.ref(c))
+        del c
+    gc.collect()
+    assert all(r() is None for r in refs)
