@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -96,6 +97,9 @@ class HiRadixTree:
             components or {ComponentKind.FULL: 0}, page_size
         )
         self._by_kind = {c.kind: c for c in self.components}
+        # What most inserts hand back: nothing, one shared read-only mapping.
+        self._nothing_released: Mapping[ComponentKind, np.ndarray] = MappingProxyType(
+            {c.kind: _EMPTY for c in self.components})
         self._ncomp = len(self.components)
         self._path_comps = [c for c in self.components if c.path_scoped]
         self._path_idx = [c.index for c in self._path_comps]
@@ -549,7 +553,7 @@ class HiRadixTree:
             reused_tokens=reused * ps,
             released={
                 c.kind: _cat(r) if (r := released[c.index]) else _EMPTY for c in self.components
-            },
+            } if any(released) else self._nothing_released,
             end=node if node.parent is not None else None,
             dropped=self._by_component(dropped) if dropped else {},
         )
