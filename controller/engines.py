@@ -90,6 +90,8 @@ class EngineRegistry:
         if engine is None:
             engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
             self._lapsed.pop(engine_id, None)
+            if gone is not None:  # the other ranks' processes: a later restart of one is seen
+                engine.instances = {r: i for r, i in gone.instances.items() if r != tp_rank}
         if instance_id:
             engine.instances[tp_rank] = instance_id
         engine.expires_at = self._clock() + self.lease_s
@@ -149,8 +151,9 @@ class EngineRegistry:
         the handle would land with a process that never asked for it."""
         engine = self.engine(record.engine_id)
         if made_for is not None and engine is not made_for:
-            raise NotFound(f"engine {record.engine_id!r} was attached again by another process "
-                           "while this call waited; the call's engine is gone")
+            raise NotFound(f"engine {record.engine_id!r} was attached anew while this call "
+                           "waited (another process under its id, or after its lease lapsed); "
+                           "the handles of the process that asked are gone")
         alloc_id = self.new_id()
         self._allocations[alloc_id] = record
         engine.allocations.add(alloc_id)

@@ -105,12 +105,13 @@ class L3Store:
         keys, statuses = self._transfer(L3Op.PUT, self.backend.put_from, namespace, hashes,
                                         members, host_ids)
         per = len(members)
-        stored = 0
+        present: list[str] = []
         for page in range(len(hashes)):
             if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in statuses[page * per : (page + 1) * per]):
-                stored += 1
-                self.cache.add_present(keys[page * per : (page + 1) * per])
-        return stored
+                present += keys[page * per : (page + 1) * per]
+        # One call for the batch: the cache keeps a run's head most recent only then.
+        self.cache.add_present(present)
+        return len(present) // per
 
     def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],

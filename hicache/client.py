@@ -16,8 +16,9 @@ locks and allocations; `close()` stops it.
 Retries: calls that are safe to repeat (Attach, Heartbeat, PrefetchStatus, CancelPrefetch,
 Release, CloseSession, Stats, Health, Flush) are retried a bounded number of times on
 UNAVAILABLE. The others (MatchPrefix, Allocate, Insert, Load, a Batch holding one of them)
-may have taken effect when the connection broke, so they are sent once, after waiting
-(as long as those retries would) for a connection that is down; an UNAVAILABLE is raised.
+may have taken effect when the connection broke, so they are sent once (after a health
+check, retried the same way, when the connection failed last time); an UNAVAILABLE is
+raised.
 
 When the daemon forgets this engine (it restarted, or the lease lapsed), the heartbeat
 sees it: `detached` says why, `on_detached` is called once, and heartbeats stop until
@@ -171,18 +172,20 @@ class Client:
               released_ok: bool = False) -> T:
         """One RPC. `repeatable`: retried on UNAVAILABLE (with `released_ok`, a NotFound
         after a retry means the attempt before it released the handle: done). Otherwise
-        sent once, after waiting for a connection that is down as long as the retries
-        would have slept: a call that may have reached the daemon is never sent twice."""
+        sent once, after `_reach` when the connection failed last time: a call that may
+        have reached the daemon is never sent twice."""
         delay = 0.05
         if not repeatable:
             if not self._reached:
-                self._reach(delay * ((1 << self.retries) - 1))
+                self._reach()
             try:
-                return fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                out = fn(request, metadata=self._metadata, timeout=self.timeout_s)
             except grpc.RpcError as e:
                 if e.code() in RETRYABLE:
                     self._reached = False
                 raise from_rpc_error(e) from None
+            self._reached = True
+            return out
         for attempt in range(self.retries + 1):
             try:
                 out = fn(request, metadata=self._metadata, timeout=self.timeout_s)
@@ -200,22 +203,19 @@ class Client:
                 delay *= 2
         raise AssertionError("unreachable")
 
-    def _reach(self, timeout_s: float) -> None:
+    def _reach(self) -> None:
         """Before a call that must not be sent twice, when no call went through since the
-        connection last failed: a health check that waits up to `timeout_s` for the
-        daemon. Unreachable by then: `Unavailable`, and the call is never sent."""
-        if timeout_s <= 0:
-            return
-        try:
-            self._health.Check(health_pb2.HealthCheckRequest(), metadata=self._metadata,
-                               timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                from hicache.errors import Unavailable
+        connection last failed: a health check, retried like any call safe to repeat. A
+        daemon that is busy answers it late (and is reached); one that is down fails it
+        fast each time, and then `Unavailable` is raised: the call was not sent."""
+        from hicache.errors import Unavailable
 
-                raise Unavailable(f"daemon not reachable within {timeout_s:.2f} s "
-                                  f"({e.details()}); the call was not sent") from None
-        self._reached = True  # (another answer, e.g. UNAUTHENTICATED: the daemon is there)
+        try:
+            self._call(self._health.Check, health_pb2.HealthCheckRequest(), repeatable=True)
+        except Unavailable as e:
+            raise Unavailable(f"{e}; the call was not sent") from None
+        except HicacheError:
+            self._reached = True  # (e.g. UNAUTHENTICATED: the daemon is there)
 
     def __enter__(self) -> Client:
         return self

@@ -520,7 +520,7 @@ def test_an_allocate_that_waited_through_an_engine_restart_gets_nothing(make) ->
         return allocate_l1(kind, n)
 
     ctl.transfers.allocate_l1 = restart_meanwhile
-    with pytest.raises(NotFound, match="attached again by another process"):
+    with pytest.raises(NotFound, match="attached anew while this call waited"):
         ctl.allocate("e1", AllocateRequest("", 8))
     assert ctl.heartbeat("e1").allocations == 0  # not filed under the new process
     assert ctl.device.allocator(FULL).free_count == ctl.device.allocator(FULL).total
@@ -536,7 +536,10 @@ def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
     assert reg.attach("e", 1, 2, "rank1-pid2")[1] is None
     gone = reg.attach("e", 1, 2, "rank1-pid3")[1]  # rank 1 restarted
     assert gone is not None and gone.instances == {0: "rank0-pid1", 1: "rank1-pid2"}
-    assert reg.attach("e", 0, 2, "rank0-pid4")[1] is None  # the new record knows rank 1 only
+    assert reg.attach("e", 0, 2, "rank0-pid1")[1] is None  # rank 0 lives on
+    # The new record still knows rank 0's process: its restart later is seen too.
+    gone = reg.attach("e", 0, 2, "rank0-pid4")[1]
+    assert gone is not None and gone.instances == {0: "rank0-pid1", 1: "rank1-pid3"}
 
 
 def test_handle_ids_are_random_nonzero_and_unique() -> None:

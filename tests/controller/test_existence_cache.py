@@ -97,3 +97,28 @@ def test_a_run_grown_from_known_keys_keeps_its_head_most_recent() -> None:
     cache.add_present(run)
     cache.add_present(keys(4, "other"))  # room for 4: the run's tail goes
     assert cache.known_run(run) == (4, False)
+
+
+def test_a_written_run_keeps_its_head_most_recent(make) -> None:  # type: ignore[no-untyped-def]
+    # L3 writes record what they stored in one call per batch: per page, the head of the
+    # run would be the oldest key and the first to go.
+    from engine_sim import seq
+
+    from hicache.controller.base import InsertRequest, MatchRequest
+    from hicache.keys import chain_hashes, chain_seed, split_hashes
+    from hicache.types import ComponentKind
+
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    assert ctl.l3 is not None
+    ctl.l3.cache = ExistenceCache(capacity=1 << 10)
+    ctl.attach("e1", 0, 1)
+    tokens = seq(8)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=len(tokens) // 4))
+    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.transfers.drain(10)
+    ps = ctl.cfg.model.page_size
+    flat = chain_hashes(chain_seed("", ctl.cfg.model.id, ctl.cfg.model.kv_dtype), tokens, ps * 4)
+    written = ctl.l3.keys("", split_hashes(flat), ctl.cfg.model.family(ComponentKind.FULL))
+    order = list(ctl.l3.cache._present)  # (before known_run, which touches them again)
+    assert set(written) <= set(order)
+    assert order.index(written[0]) > order.index(written[-1])  # the head is the most recent
