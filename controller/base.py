@@ -218,8 +218,9 @@ class CacheService(abc.ABC):
         the same engine id: its predecessor's locks and allocations are released."""
 
     @abc.abstractmethod
-    def heartbeat(self, engine_id: str) -> HeartbeatInfo:
-        """Renew the lease. NotFound for an engine that never attached or has expired."""
+    def heartbeat(self, engine_id: str, tp_rank: int = 0, instance_id: str = "") -> HeartbeatInfo:
+        """Renew the lease. NotFound for an engine that never attached or has expired.
+        `tp_rank`/`instance_id`: the sending process (see `attach`)."""
 
     @abc.abstractmethod
     def match(self, engine_id: str, req: MatchRequest) -> MatchOutcome:

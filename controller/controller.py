@@ -194,9 +194,10 @@ class HybridCacheController(CacheService):
             lease_ms=self.cfg.server.lease_ms,
         )
 
-    def heartbeat(self, engine_id: str) -> HeartbeatInfo:
+    def heartbeat(self, engine_id: str, tp_rank: int = 0, instance_id: str = "") -> HeartbeatInfo:
         with self._mu:
             engine = self._engines.renew(engine_id)
+            self._engines.heard_from(engine, tp_rank, instance_id)
             return HeartbeatInfo(self.cfg.server.lease_ms, len(engine.locks), len(engine.allocations))
 
     def expire_leases(self) -> int:

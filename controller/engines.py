@@ -50,6 +50,10 @@ class Engine:
     locks: set[int] = field(default_factory=set)
     allocations: set[int] = field(default_factory=set)
     instances: dict[int, str] = field(default_factory=dict)  # tp_rank -> its process's instance id
+    # After a rank's restart: the other ranks' processes of the record before, not yet
+    # heard of since (a whole group restarting rank by rank: they are dead, and a new
+    # process of such a rank joins; one that lives on confirms itself by its heartbeat).
+    inherited: dict[int, str] = field(default_factory=dict)
 
 
 MAX_ENGINE_ID = 256
@@ -90,10 +94,11 @@ class EngineRegistry:
         if engine is None:
             engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
             self._lapsed.pop(engine_id, None)
-            if gone is not None:  # the other ranks' processes: a later restart of one is seen
-                engine.instances = {r: i for r, i in gone.instances.items() if r != tp_rank}
+            if gone is not None:
+                engine.inherited = {r: i for r, i in gone.instances.items() if r != tp_rank}
         if instance_id:
             engine.instances[tp_rank] = instance_id
+            engine.inherited.pop(tp_rank, None)
         engine.expires_at = self._clock() + self.lease_s
         return engine, gone
 
@@ -114,6 +119,13 @@ class EngineRegistry:
         engine = self.engine(engine_id)
         engine.expires_at = self._clock() + self.lease_s
         return engine
+
+    def heard_from(self, engine: Engine, tp_rank: int, instance_id: str) -> None:
+        """A heartbeat of `tp_rank`'s process `instance_id`: a process the record inherited
+        lives on, and its restart later counts as one."""
+        if instance_id and engine.inherited.get(tp_rank) == instance_id:
+            del engine.inherited[tp_rank]
+            engine.instances[tp_rank] = instance_id
 
     def new_id(self) -> int:
         while True:

@@ -109,7 +109,8 @@ class L3Store:
         for page in range(len(hashes)):
             if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in statuses[page * per : (page + 1) * per]):
                 present += keys[page * per : (page + 1) * per]
-        # One call for the batch: the cache keeps a run's head most recent only then.
+        # One call for the batch: the cache then keeps the batch's first page most recent
+        # (a path written node by node keeps that order within each node only).
         self.cache.add_present(present)
         return len(present) // per
 

@@ -159,6 +159,7 @@ class Client:
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_mu = threading.Lock()
         self._attaches = 0  # successful attach() calls: a heartbeat answer older than one is moot
+        self._tp_rank = 0
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
 
@@ -249,6 +250,7 @@ class Client:
             repeatable=True,
         )
         info = convert.attach_from_pb(r)
+        self._tp_rank = tp_rank
         self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id))
         pools: dict[str, tuple[torch.Tensor, ...]] = {}
         if map_pools:
@@ -264,7 +266,9 @@ class Client:
 
     def heartbeat(self) -> HeartbeatInfo:
         return convert.heartbeat_from_pb(
-            self._call(self._stub.Heartbeat, pb.HeartbeatRequest(engine_id=self.engine_id),
+            self._call(self._stub.Heartbeat,
+                       pb.HeartbeatRequest(engine_id=self.engine_id, tp_rank=self._tp_rank,
+                                           instance_id=_INSTANCE_ID),
                        repeatable=True)
         )
 

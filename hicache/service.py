@@ -132,7 +132,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
 
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return convert.heartbeat_to_pb(self._core.heartbeat(scoped_engine(r.engine_id)))
+        return convert.heartbeat_to_pb(
+            self._core.heartbeat(scoped_engine(r.engine_id), r.tp_rank, r.instance_id)
+        )
 
     def _match(self, engine: str, r: pb.MatchPrefixRequest,
                out: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:

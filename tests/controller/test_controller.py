@@ -534,12 +534,22 @@ def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
     assert reg.attach("e", 0, 2, "rank0-pid1")[1] is None
     assert reg.attach("e", 1, 2, "rank1-pid2")[1] is None  # another rank: not a restart
     assert reg.attach("e", 1, 2, "rank1-pid2")[1] is None
-    gone = reg.attach("e", 1, 2, "rank1-pid3")[1]  # rank 1 restarted
+
+    # The whole group restarts, rank by rank: one restart, the others join it.
+    gone = reg.attach("e", 0, 2, "rank0-pid3")[1]
     assert gone is not None and gone.instances == {0: "rank0-pid1", 1: "rank1-pid2"}
-    assert reg.attach("e", 0, 2, "rank0-pid1")[1] is None  # rank 0 lives on
-    # The new record still knows rank 0's process: its restart later is seen too.
-    gone = reg.attach("e", 0, 2, "rank0-pid4")[1]
-    assert gone is not None and gone.instances == {0: "rank0-pid1", 1: "rank1-pid3"}
+    assert reg.attach("e", 1, 2, "rank1-pid4")[1] is None
+
+    # Rank 1 restarts alone; rank 0 lives on and says so in its heartbeat ...
+    gone = reg.attach("e", 1, 2, "rank1-pid5")[1]
+    assert gone is not None
+    engine = reg.renew("e")
+    reg.heard_from(engine, 0, "rank0-pid3")
+    reg.heard_from(engine, 1, "rank1-pid2")  # (a dead process's id is not taken back)
+    assert engine.instances == {0: "rank0-pid3", 1: "rank1-pid5"} and not engine.inherited
+    # ... so its own restart later is seen too (what it held since would leak otherwise).
+    gone = reg.attach("e", 0, 2, "rank0-pid6")[1]
+    assert gone is not None and gone.instances == {0: "rank0-pid3", 1: "rank1-pid5"}
 
 
 def test_handle_ids_are_random_nonzero_and_unique() -> None:
