@@ -94,8 +94,9 @@ class EngineRegistry:
         if engine is None:
             engine = self._engines[engine_id] = Engine(engine_id, tp_rank, tp_size, 0.0)
             self._lapsed.pop(engine_id, None)
-            if gone is not None:
-                engine.inherited = {r: i for r, i in gone.instances.items() if r != tp_rank}
+            if gone is not None:  # (what it inherited and has not heard from yet, too)
+                known = {**gone.inherited, **gone.instances}
+                engine.inherited = {r: i for r, i in known.items() if r != tp_rank}
         if instance_id:
             engine.instances[tp_rank] = instance_id
             engine.inherited.pop(tp_rank, None)

@@ -551,6 +551,14 @@ def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
     gone = reg.attach("e", 0, 2, "rank0-pid6")[1]
     assert gone is not None and gone.instances == {0: "rank0-pid3", 1: "rank1-pid5"}
 
+    # Rank 1 restarts twice before rank 0's next heartbeat: rank 0 is not forgotten.
+    reg.heard_from(reg.renew("e"), 1, "rank1-pid5")
+    assert reg.attach("e", 1, 2, "rank1-pid7")[1] is not None
+    assert reg.attach("e", 1, 2, "rank1-pid8")[1] is not None
+    engine = reg.renew("e")
+    reg.heard_from(engine, 0, "rank0-pid6")
+    assert reg.attach("e", 0, 2, "rank0-pid9")[1] is not None
+
 
 def test_handle_ids_are_random_nonzero_and_unique() -> None:
     from hicache.controller.engines import EngineRegistry
