@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,8 +61,7 @@ def _nothing() -> None:
     """The release of a hold that was not granted."""
 
 
-@dataclass(frozen=True)
-class _InsertPlan:
+class _InsertPlan(NamedTuple):
     """What an Insert commits, as checked against its handles (`_insert_plan`)."""
 
     lock: LockRecord | None
@@ -435,11 +434,7 @@ class HybridCacheController(CacheService):
                     record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
             if req.lock_id:
-                record = self._engines.lock(engine_id, req.lock_id)
-                if record.namespace != req.namespace:
-                    raise InvalidArgument(
-                        f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
-                    )
+                self._engines.lock(engine_id, req.lock_id, req.namespace)
 
             def start() -> tuple[int, np.ndarray | None]:
                 if not req.lock_id:
@@ -471,16 +466,9 @@ class HybridCacheController(CacheService):
         """Check an Insert against its handles (caller holds the mutex) and work out what
         it commits; raises for every error of the request's own, changing nothing."""
         self._engines.renew(engine_id)
-        lock_rec = self._engines.lock(engine_id, req.lock_id) if req.lock_id else None
-        if lock_rec is not None and lock_rec.namespace != req.namespace:
-            raise InvalidArgument(
-                f"namespace {req.namespace!r} does not match lock {req.lock_id}'s namespace"
-            )
-        alloc = self._engines.allocation(engine_id, req.allocation_id) if req.allocation_id else None
-        if alloc is not None and alloc.namespace != req.namespace:
-            raise InvalidArgument(
-                f"namespace {req.namespace!r} does not match allocation {req.allocation_id}'s"
-            )
+        lock_rec = self._engines.lock(engine_id, req.lock_id, req.namespace) if req.lock_id else None
+        alloc = (self._engines.allocation(engine_id, req.allocation_id, req.namespace)
+                 if req.allocation_id else None)
         tree_lock = lock_rec.tree_lock if lock_rec else None
         if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
             raise InvalidArgument("tokens do not start with the prefix the lock was matched on")

@@ -144,10 +144,14 @@ class EngineRegistry:
         engine.locks.add(lock_id)
         return lock_id
 
-    def lock(self, engine_id: str, lock_id: int) -> LockRecord:
+    def lock(self, engine_id: str, lock_id: int, namespace: str | None = None) -> LockRecord:
+        """The engine's lock; with `namespace`, InvalidArgument when it was matched in
+        another one."""
         record = self._locks.get(lock_id)
         if record is None or record.engine_id != engine_id:
             raise NotFound(f"lock {lock_id} is unknown or already released")
+        if namespace is not None and record.namespace != namespace:
+            raise InvalidArgument(f"namespace {namespace!r} does not match lock {lock_id}'s namespace")
         return record
 
     def pop_lock(self, engine_id: str, lock_id: int) -> LockRecord:
@@ -172,10 +176,14 @@ class EngineRegistry:
         engine.allocations.add(alloc_id)
         return alloc_id
 
-    def allocation(self, engine_id: str, alloc_id: int) -> AllocationRecord:
+    def allocation(self, engine_id: str, alloc_id: int, namespace: str | None = None) -> AllocationRecord:
+        """The engine's allocation; with `namespace`, InvalidArgument when it was made in
+        another one."""
         record = self._allocations.get(alloc_id)
         if record is None or record.engine_id != engine_id:
             raise NotFound(f"allocation {alloc_id} is unknown or already released")
+        if namespace is not None and record.namespace != namespace:
+            raise InvalidArgument(f"namespace {namespace!r} does not match allocation {alloc_id}'s")
         return record
 
     def pop_allocation(self, engine_id: str, alloc_id: int) -> AllocationRecord:

@@ -54,7 +54,7 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.endpoint import parse_address
-from hicache.errors import FailedPrecondition, HicacheError, InvalidArgument, NotFound
+from hicache.errors import FailedPrecondition, HicacheError, InvalidArgument, NotFound, Unavailable
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
@@ -209,8 +209,6 @@ class Client:
         connection last failed: a health check, retried like any call safe to repeat. A
         daemon that is busy answers it late (and is reached); one that is down fails it
         fast each time, and then `Unavailable` is raised: the call was not sent."""
-        from hicache.errors import Unavailable
-
         try:
             self._call(self._health.Check, health_pb2.HealthCheckRequest(), repeatable=True)
         except Unavailable as e:
@@ -235,8 +233,6 @@ class Client:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            from hicache.errors import Unavailable
-
             raise Unavailable(f"daemon not reachable within {timeout_s} s") from None
 
     # ------------------------------------------------------------------ engine lifecycle

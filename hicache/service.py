@@ -17,13 +17,13 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
-from hicache.controller.base import CacheService
+from hicache.controller.base import CacheService, InsertRequest, MatchRequest
 from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
@@ -103,6 +103,17 @@ def scoped_session(session_id: str) -> str:
     return f"{principal.label}/{session_id}"
 
 
+_R = TypeVar("_R", MatchRequest, InsertRequest)
+
+
+def _session_scoped(req: _R) -> _R:
+    """`req` with its session id as the core knows it (`scoped_session`)."""
+    if not req.session_id:
+        return req
+    scoped = scoped_session(req.session_id)
+    return req if scoped == req.session_id else dataclasses.replace(req, session_id=scoped)
+
+
 class HiCacheServicer(pb_grpc.HiCacheServicer):
     """The engine-facing service over one `CacheService`."""
 
@@ -138,9 +149,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _match(self, engine: str, r: pb.MatchPrefixRequest,
                out: pb.MatchPrefixResponse | None = None) -> pb.MatchPrefixResponse:
-        req = convert.match_request_from_pb(r, self._limit)
-        if req.session_id and current_principal() is not ANONYMOUS:
-            req = dataclasses.replace(req, session_id=scoped_session(req.session_id))
+        req = _session_scoped(convert.match_request_from_pb(r, self._limit))
         return convert.match_to_pb(self._core.match(engine, req), out)
 
     def _prefetch_status(self, engine: str, r: pb.PrefetchStatusRequest) -> pb.PrefetchStatusResponse:
@@ -155,9 +164,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _insert(self, engine: str, r: pb.InsertRequest,
                 out: pb.InsertResponse | None = None) -> pb.InsertResponse:
-        req = convert.insert_request_from_pb(r, self._limit)
-        if req.session_id and current_principal() is not ANONYMOUS:
-            req = dataclasses.replace(req, session_id=scoped_session(req.session_id))
+        req = _session_scoped(convert.insert_request_from_pb(r, self._limit))
         return convert.insert_to_pb(self._core.insert(engine, req), out)
 
     def _release(self, engine: str, r: pb.ReleaseRequest) -> pb.ReleaseResponse:

@@ -428,14 +428,11 @@ def test_a_lease_that_lapses_during_the_l3_lookup_returns_no_dead_lock(make, pre
     assert ctl.tree.active_locks == 0
 
 
-
-
-
-
-
-
-
-def _checkpoint_then_no_slot_left(ctl):
+@pytest.fixture
+def no_slot_left(make):
+    """A hybrid controller whose path holds a checkpoint in L1 (locked by `m`) and whose
+    every MAMBA slot is taken by allocations; yields (ctl, prompt, m), releases after."""
+    ctl = make(hybrid=True, storage__backend="none")
     ctl.attach("e1", 0, 1)
     prompt = seq(2, 1000)
     r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
@@ -447,47 +444,33 @@ def _checkpoint_then_no_slot_left(ctl):
     with pytest.raises(ResourceExhausted):  # every MAMBA slot taken by allocations
         while True:
             held.append(ctl.allocate("e1", AllocateRequest("", 4)).allocation_id)
-    return prompt, m, held
-
-
-def _release_all(ctl, m, held):
+    yield ctl, prompt, m
     for a in held:
         ctl.release("e1", None, a)
     ctl.release("e1", m.lock_id, None)
 
 
-def test_with_no_checkpoint_slot_left_a_stale_allocation_is_still_not_found(make) -> None:
-    ctl = make(hybrid=True, storage__backend="none")
-    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
-    try:
-        with pytest.raises(NotFound):
-            ctl.insert("e1", InsertRequest("", prompt + seq(1, 7), lock_id=m.lock_id,
-                                           allocation_id=987654, keep_lock=True,
+def test_with_no_checkpoint_slot_left_a_stale_allocation_is_still_not_found(no_slot_left) -> None:
+    ctl, prompt, m = no_slot_left
+    with pytest.raises(NotFound):
+        ctl.insert("e1", InsertRequest("", prompt + seq(1, 7), lock_id=m.lock_id,
+                                       allocation_id=987654, keep_lock=True,
+                                       mamba_checkpoint=True))
+
+
+def test_with_no_checkpoint_slot_left_an_unattached_engine_is_still_told_so(no_slot_left) -> None:
+    ctl, prompt, m = no_slot_left
+    with pytest.raises((NotFound, FailedPrecondition)):  # (what renew() raises)
+        ctl.insert("nobody", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
                                            mamba_checkpoint=True))
-    finally:
-        _release_all(ctl, m, held)
 
 
-def test_with_no_checkpoint_slot_left_an_unattached_engine_is_still_told_so(make) -> None:
-    ctl = make(hybrid=True, storage__backend="none")
-    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
-    try:
-        with pytest.raises((NotFound, FailedPrecondition)):  # (what renew() raises)
-            ctl.insert("nobody", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
-                                               mamba_checkpoint=True))
-    finally:
-        _release_all(ctl, m, held)
-
-
-def test_a_keep_lock_insert_without_an_allocation_needs_no_checkpoint_slot(make) -> None:
-    ctl = make(hybrid=True, storage__backend="none")
-    prompt, m, held = _checkpoint_then_no_slot_left(ctl)
-    try:  # nothing new to commit: the previous commit answered (no slot was needed)
-        out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
-                                             mamba_checkpoint=True))
-        assert out.reused_tokens == 8
-    finally:
-        _release_all(ctl, m, held)
+def test_a_keep_lock_insert_without_an_allocation_needs_no_checkpoint_slot(no_slot_left) -> None:
+    ctl, prompt, m = no_slot_left
+    # Nothing new to commit: the previous commit answered (no slot was needed).
+    out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, keep_lock=True,
+                                         mamba_checkpoint=True))
+    assert out.reused_tokens == 8
 
 
 def test_allocating_against_a_lock_released_while_waiting_is_not_found(make) -> None:
