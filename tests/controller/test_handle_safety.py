@@ -428,11 +428,9 @@ def test_a_lease_that_lapses_during_the_l3_lookup_returns_no_dead_lock(make, pre
     assert ctl.tree.active_locks == 0
 
 
-@pytest.fixture
-def no_slot_left(make):
-    """A hybrid controller whose path holds a checkpoint in L1 (locked by `m`) and whose
-    every MAMBA slot is taken by allocations; yields (ctl, prompt, m), releases after."""
-    ctl = make(hybrid=True, storage__backend="none")
+def _checkpoint_in_l1(ctl):
+    """Attach e1, commit an 8-token prompt with its MAMBA checkpoint, and lock it again:
+    (prompt, the locking match)."""
     ctl.attach("e1", 0, 1)
     prompt = seq(2, 1000)
     r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
@@ -440,6 +438,15 @@ def no_slot_left(make):
                                    mamba_checkpoint=True))
     m = ctl.match("e1", MatchRequest("", prompt, lock=True))  # holds the path, checkpoint in L1
     assert m.device_tokens == 8
+    return prompt, m
+
+
+@pytest.fixture
+def no_slot_left(make):
+    """A hybrid controller whose path holds a checkpoint in L1 (locked by `m`) and whose
+    every MAMBA slot is taken by allocations; yields (ctl, prompt, m), releases after."""
+    ctl = make(hybrid=True, storage__backend="none")
+    prompt, m = _checkpoint_in_l1(ctl)
     held = []
     with pytest.raises(ResourceExhausted):  # every MAMBA slot taken by allocations
         while True:
@@ -478,12 +485,7 @@ def test_allocating_against_a_lock_released_while_waiting_is_not_found(make) -> 
     and its checkpoint read only then (it extended a released lock, copying a checkpoint
     slot nothing held any more)."""
     ctl = make(hybrid=True, storage__backend="none")
-    ctl.attach("e1", 0, 1)
-    prompt = seq(2, 1000)
-    r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=8))
-    ctl.insert("e1", InsertRequest("", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id,
-                                   mamba_checkpoint=True))
-    m = ctl.match("e1", MatchRequest("", prompt, lock=True))
+    _, m = _checkpoint_in_l1(ctl)
     assert ctl.transfers.drain(5)
     held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
     ctl._mu.acquire()
