@@ -24,6 +24,7 @@ from hicache.controller.l3_latency import L3OpRecorder
 from hicache.controller.workers import BreakerOpen, CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
 from hicache.keys import storage_keys
+from hicache.logthrottle import ThrottledLog
 from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
 
@@ -48,6 +49,7 @@ class L3Store:
         self.write_breaker = CircuitBreaker()
         self.last_health: BackendHealth | None = None
         self.latency = L3OpRecorder(backend.name)
+        self._warn = ThrottledLog(log)  # every failed call of a flapping store
 
     @property
     def name(self) -> str:
@@ -189,4 +191,4 @@ class L3Store:
     def _failed(self, e: Exception) -> None:
         self.errors += 1
         self.breaker.failure()
-        log.warning("L3 %s: %s", self.name, e)
+        self._warn.warning(f"failed:{type(e).__name__}", "L3 %s: %s", self.name, e)

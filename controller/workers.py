@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache.errors import BackendUnavailable
+from hicache.logthrottle import ThrottledLog
 
 log = logging.getLogger("hicache.controller")
 
@@ -170,6 +171,8 @@ class Worker:
         self._busy = 0
         self._closed = False
         self.failures = 0
+        # One job given up per insert while L3 is down: a flood, logged throttled.
+        self._warn = ThrottledLog(log)
 
     def start(self) -> None:
         self._thread.start()
@@ -229,8 +232,9 @@ class Worker:
                     job.attempts += 1
                     self.failures += 1
                     if job.attempts > self._retries or isinstance(e, NoRetry):
-                        log.warning("%s: giving up on %s after %d attempts: %s",
-                                    self.name, job.name, job.attempts, e)
+                        self._warn.warning(f"give-up:{type(e).__name__}",
+                                           "%s: giving up on %s after %d attempts: %s",
+                                           self.name, job.name, job.attempts, e)
                         try:
                             job.on_give_up(e)
                         except Exception:

@@ -25,9 +25,11 @@ import grpc
 
 from hicache.auth import Authenticator, reset_current_principal, set_current_principal
 from hicache.errors import HicacheError, InvalidArgument
+from hicache.logthrottle import ThrottledLog
 from hicache.metrics import RpcMetrics
 
 log = logging.getLogger("hicache.rpc")
+_unexpected = ThrottledLog(log)
 
 # Services callable without credentials: the standard health check (probes, `hicache health`
 # against a daemon whose tokens the prober does not hold). It reveals only SERVING or not.
@@ -155,9 +157,12 @@ def _authorize(auth: Authenticator, request: Any, context: grpc.ServicerContext)
     return set_current_principal(principal)
 
 
-def op_status(exc: BaseException, where: str) -> tuple[grpc.StatusCode, str]:
-    """`status_of` for a call or one op of a Batch, logging unexpected exceptions."""
+def op_status(exc: BaseException, where: str, site: str | None = None) -> tuple[grpc.StatusCode, str]:
+    """`status_of` for a call or one op of a Batch, logging unexpected exceptions
+    (throttled per `site`, default `where`, and exception type)."""
     status, message = status_of(exc)
     if status is grpc.StatusCode.INTERNAL:
-        log.error("%s failed unexpectedly", where, exc_info=exc)
+        # A bug that every call of a method hits would log a traceback per call.
+        _unexpected.error(f"{site or where}:{type(exc).__name__}", "%s failed unexpectedly", where,
+                          exc_info=exc)
     return status, message

@@ -302,7 +302,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 else:
                     getattr(result, kind).CopyFrom(ops[kind](engine, msg))
             except Exception as exc:
-                code, message = op_status(exc, f"Batch op {i} ({kind})")
+                code, message = op_status(exc, f"Batch op {i} ({kind})", f"Batch {kind}")
                 result.status.code = code.value[0]
                 result.status.message = f"op {i} ({kind}): {message}"
 

@@ -4,7 +4,10 @@ failure that never kills the thread, drain, and no job accepted once closed."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+
+import pytest
 
 from hicache.controller.workers import BreakerOpen, Job, Worker
 
@@ -89,3 +92,22 @@ def test_a_probe_taken_and_given_back_is_there_for_the_next_call() -> None:
     breaker.success()  # the breaker moved meanwhile: giving back changes nothing
     breaker.give_back(token)
     assert not breaker.is_open
+
+
+def test_a_flood_of_give_ups_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    """While the L3 breaker is open every insert's backup is given up at once: one warning
+    each would flood the log at the insert rate. The give-ups are all counted still."""
+    with _running(retries=3, backoff_s=0.001) as (worker, attempts, gave_up):
+
+        def refused() -> None:
+            attempts.append(1)
+            raise BreakerOpen("redis: circuit breaker open")
+
+        with caplog.at_level(logging.WARNING, logger="hicache.controller"):
+            for i in range(200):
+                while not worker.submit(Job(f"write-through-{i}", refused, gave_up.append)):
+                    worker.drain(1)
+            assert worker.drain(5)
+    warnings = [r for r in caplog.records if "giving up" in r.getMessage()]
+    assert len(warnings) == 1 and "write-through-0" in warnings[0].getMessage()
+    assert len(gave_up) == 200 and worker.failures == 200 and len(attempts) == 200

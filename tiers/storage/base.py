@@ -47,6 +47,7 @@ from typing import ParamSpec, TypeVar
 import numpy as np
 
 from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
+from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import (
     HEADER_BYTES,
@@ -156,6 +157,8 @@ class StorageBackend(abc.ABC):
         # (Mooncake) register this array in `start()`.
         self._canary_area = np.zeros(2 * (HEADER_BYTES + CANARY_PAYLOAD), dtype=np.uint8)
         self._canary_lock = threading.Lock()
+        # Per-object warnings (a store full of junk would log one per page read).
+        self._warn = ThrottledLog(logging.getLogger(type(self).__module__))
 
     # ------------------------------------------------------------------ public contract
 
@@ -222,7 +225,8 @@ class StorageBackend(abc.ABC):
                     if ((size == buf.nbytes and not other_format(buf))
                             or truncated_of_ours(buf, key, size)):  # (a torn write)
                         broken.append(key)
-                        log.warning("%s: %s; a miss, removing it from the store", self.name, e)
+                        self._warn.warning("corrupt", "%s: %s; a miss, removing it from the store",
+                                           self.name, e)
                     else:  # not ours to judge (and possibly many): counted, not logged loudly
                         log.debug("%s: %s; a miss", self.name, e)
                     buf[:] = 0

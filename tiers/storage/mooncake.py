@@ -243,7 +243,7 @@ class MooncakeBackend(StorageBackend):
             elif code == OBJECT_ALREADY_EXISTS:
                 out[i] = PutStatus.PRESENT
             else:
-                log.warning("mooncake: put %s returned %d", keys[i], code)
+                self._warn.warning(f"put-{code}", "mooncake: put %s returned %d", keys[i], code)
                 out[i] = PutStatus.FAILED
         return out
 

@@ -140,7 +140,7 @@ class RedisBackend(StorageBackend):
                     pipe.set(key, buf.data, nx=True, ex=self.cfg.ttl_s)
                 for reply in pipe.execute(raise_on_error=False):
                     if isinstance(reply, Exception):
-                        log.warning("redis refused a put: %s", reply)
+                        self._warn.warning("put-refused", "redis refused a put: %s", reply)
                         out.append(PutStatus.FAILED)
                     else:
                         out.append(PutStatus.STORED if reply else PutStatus.PRESENT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from storage_pages import Pool, keys, storage_config
 from hicache.bench.services import MooncakeMaster
 from hicache.config import FileStorageConfig
 from hicache.errors import InvalidArgument
+from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage import (
     HEADER_BYTES,
     BackendStats,
@@ -203,6 +205,28 @@ def test_a_corrupt_object_is_removed_so_that_a_good_copy_can_be_stored_again(
     assert backend.put_from(ks, src.slots()) == [PutStatus.PRESENT, PutStatus.STORED, PutStatus.PRESENT]
     assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * 3
     np.testing.assert_array_equal(dst.pages, src.pages)
+
+
+def test_a_store_full_of_corrupt_objects_logs_one_warning_and_removes_them_all(
+    store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One warning per corrupt object would flood the log at the read rate of a store full
+    of junk; every object is still counted and removed."""
+    backend, corrupt = store.backend, store.corrupt
+    # A fresh throttle: the Mooncake client is shared by the tests (an earlier one's
+    # warning would hold this one back).
+    monkeypatch.setattr(backend, "_warn", ThrottledLog(backend._warn.logger))
+    src, dst = Pool(12, seed=10).register(backend), Pool(12, seed=None).register(backend)
+    ks = keys(12)
+    backend.put_from(ks, src.slots())
+    for key in ks:
+        corrupt(backend, key)
+    with caplog.at_level(logging.WARNING):
+        assert backend.get_into(ks, dst.slots()) == [GetStatus.CORRUPT] * 12
+    removing = [r for r in caplog.records if "removing it from the store" in r.getMessage()]
+    assert len(removing) == 1
+    assert store.counted("corrupt") == 12 and store.counted("corrupt_removed") == 12
+    assert backend.exists_prefix(ks) == 0
 
 
 def test_objects_not_ours_to_judge_are_left_in_the_store(store: Store) -> None:
