@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import redis
 from storage_pages import Pool, keys, storage_config
 
@@ -107,4 +109,40 @@ def test_concurrent_calls_to_a_hung_server_end_within_the_timeout(redis_server: 
             os.kill(redis_server.pid, signal.SIGCONT)
         assert max(took) < 1.5, max(took)
     finally:
+        backend.close()
+
+
+def test_the_present_run_is_exact_for_every_shape_of_presence(redis_server: RedisServer) -> None:
+    """Existence is counted with multi-key EXISTS (one command for all-or-none, two for a
+    leading run, a binary search over holes): every pattern of present keys, keys named
+    twice and batch boundaries (batch 8) gives the run a key-by-key check gives."""
+    backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=redis_server.url))
+    raw = redis.Redis.from_url(redis_server.url)
+    rng = random.Random(7)
+    try:
+        for trial in range(300):
+            n = rng.randint(1, 30)
+            names = keys(n)
+            shape = trial % 4
+            if shape == 0:  # a leading run
+                present = names[: rng.randint(0, n)]
+            elif shape == 1:  # holes anywhere
+                present = [k for k in names if rng.random() < 0.8]
+            else:  # all but one
+                present = [k for i, k in enumerate(names) if i != rng.randrange(n)]
+            if present:
+                raw.mset(dict.fromkeys(present, b"x"))
+            asked = list(names)
+            if shape == 3:  # some keys named twice, in any order
+                asked += [rng.choice(names) for _ in range(rng.randint(1, 3))]
+                rng.shuffle(asked)
+            truth = 0
+            for key in asked:
+                if not raw.exists(key):
+                    break
+                truth += 1
+            assert backend.exists_prefix(asked) == truth, (trial, asked, present)
+            raw.delete(*names)
+    finally:
+        raw.close()
         backend.close()
