@@ -267,6 +267,15 @@ class HybridCacheController(CacheService):
             # that L3 can complete.
             base = m.path[-1] if m.path else None
             known = m.device_tokens + m.host_tokens + m.storage_tokens
+            in_tree = 0
+            if req.prefetch and m.storage_tokens and m.lock is not None:
+                # The tree's own storage part (a hybrid boundary whose window or checkpoint
+                # only L3 holds) is fetched too: L3 is asked, and read, from the lock's end
+                # (the host boundary). The commit keeps the pages the tree holds and adopts
+                # the slots it lacks. NOTE: it reads that part's FULL pages again though L2
+                # may hold them (an op reads whole pages; recomputing would cost more).
+                base, in_tree = m.lock.end, m.storage_tokens
+                known -= in_tree
             beyond_l3 = self.l3 is not None and len(req.tokens) // self._pb * self._ps > known
             prev = self.tree.chain_prev(req.namespace, base) if beyond_l3 else b""
             lock_id = 0
@@ -294,7 +303,7 @@ class HybridCacheController(CacheService):
                     elif m.lock is not None and m.lock.active:
                         self.tree.unlock(m.lock)
                 raise
-            storage_tokens += run * self._ps
+            storage_tokens += max(0, run * self._ps - in_tree)
             beyond = beyond[: fetch * PAGE_HASH_BYTES]
         prefetch_id = 0
         alloc_id = 0

@@ -177,6 +177,9 @@ class Prefetcher:
             self.ctl.counters["prefetch_refused_budget"] += 1
             return 0
         host: dict[ComponentKind, np.ndarray] = {}
+        # Pinned before reserving: the reservation evicts L2, and `tail` may lie past the
+        # caller's lock (a hybrid boundary whose checkpoint or window only L3 holds).
+        pin = self.tree.pin(tail) if tail is not None else None
         try:
             for kind in self.ctl._kinds:
                 # Never waiting for queued copies: the caller's MatchPrefix would wait with
@@ -186,6 +189,8 @@ class Prefetcher:
         except ResourceExhausted:
             for kind, ids in host.items():
                 self.ctl.transfers.free_l2(kind, ids)
+            if pin is not None:
+                self.tree.unlock(pin)
             self.ctl.counters["prefetch_refused_room"] += 1
             return 0
         start_page = self.tree.depth_tokens(tail) // ps
@@ -205,7 +210,7 @@ class Prefetcher:
             to_l1=to_l1,
             owner=owner,
         )
-        op.pin = self.tree.pin(tail) if tail is not None else None
+        op.pin = pin
         self._reserved_pages += n
         self.running += 1
         self._ops[op.op_id] = op
@@ -322,8 +327,12 @@ class Prefetcher:
                     op.host[kind][lo:hi] = -1
             end = result.end if result.end is not None else (op.pin.end if op.pin else None)
             self._mark_in_storage(op, end, lo, hi, slot is not None)
-            with op.mu:
-                op.pages_ready = hi
+            # tokens_ready is a usable prefix: a hybrid model's batch end is one only
+            # with its window and checkpoint, i.e. the op's last page with the checkpoint.
+            hybrid = len(self.tree.components) > 1
+            if not hybrid or (hi == len(op.hashes) and (slot is not None or MAMBA not in op.host)):
+                with op.mu:
+                    op.pages_ready = hi
             if op.to_l1 and end is not None:
                 return self._plan_to_l1(op, end, (op.start_page + lo) * op.page_size)
             return []

@@ -1,0 +1,111 @@
+"""Prefetch for a hybrid model (FULL+SWA+MAMBA) where the boundary's window or checkpoint
+lies only in L3: what the match reports, what the prefetch brings, what it reports ready.
+(Found by a review; each test failed before its fix.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from engine_sim import Engine, evict_all, seq, wait_prefetch
+
+import hicache.controller.prefetch as pf
+from hicache.controller.base import MatchRequest, PrefetchState
+from hicache.types import ComponentKind, Tier
+
+FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
+THROUGH = {"write__l1_to_l2": "write_through", "write__l2_to_l3": "write_through"}
+
+
+def _checkpoint_only_in_l3(ctl, eng: Engine, tokens: bytes) -> None:
+    """`tokens` computed, then out of L1, then its MAMBA checkpoint out of L2 alone: the
+    tree holds FULL and SWA in L2, the checkpoint only in L3."""
+    eng.request(tokens)
+    assert ctl.flush(10) >= 0
+    evict_all(ctl, Tier.DEVICE)
+    with ctl._mu:
+        ctl.transfers._evict(Tier.HOST, MAMBA, 1)
+
+
+def test_a_boundary_whose_checkpoint_only_l3_holds_is_prefetched_and_reusable(make) -> None:
+    """API.md: with `prefetch` and storage_tokens >= the threshold a prefetch starts. The
+    tree's own storage part (a checkpoint only L3 holds) used to be reported and never
+    fetched: the engine recomputed it at every request."""
+    ctl = make(hybrid=True, **THROUGH)
+    eng = Engine(ctl)
+    tokens = seq(8)
+    _checkpoint_only_in_l3(ctl, eng, tokens)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 32)
+    assert m.prefetch_id, "storage_tokens reported, no prefetch started"
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 32
+    ctl.release("e1", m.lock_id, None)
+    again = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert again.device_tokens + again.host_tokens == 32 and again.storage_tokens == 0
+    *_, last = ctl.load("e1", again.lock_id)
+    eng.verify(last.device_pages, tokens, last.device_tokens // 4)  # byte for byte
+    ctl.release("e1", again.lock_id, None)
+
+
+def test_a_prefetch_never_continues_from_a_node_its_own_reservation_evicted(make) -> None:
+    """The storage boundary lies past the match lock (its checkpoint only in L3) and is an
+    unlocked L2 leaf: reserving the prefetch's L2 pages could evict it, and the batches
+    were then inserted below a node no longer in the tree (leaked L2 pages, wrong
+    counters). It is pinned before the reservation: with no room the prefetch is
+    refused."""
+    ctl = make(hybrid=True, **THROUGH)
+    eng = Engine(ctl)
+    eng.request(seq(12))
+    assert ctl.flush(10) >= 0
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)  # seq(12) only in L3
+    _checkpoint_only_in_l3(ctl, eng, seq(8))
+    with ctl._mu:  # every free L2 page held by someone else (other requests' reservations)
+        alloc = ctl.host.allocator(FULL)
+        hog = alloc.allocate(alloc.free_count)
+    try:
+        refused = ctl.counters["prefetch_refused_room"]
+        m = ctl.match("e1", MatchRequest("", seq(12), lock=True, prefetch=True))
+        assert m.prefetch_id == 0 and ctl.counters["prefetch_refused_room"] == refused + 1
+        ctl.release("e1", m.lock_id, None)
+        again = ctl.match("e1", MatchRequest("", seq(8)))
+        assert again.host_tokens + again.storage_tokens == 32  # the node it would have lost
+    finally:
+        with ctl._mu:
+            alloc.free(hog)
+    ctl.check_integrity()  # (and the fixture audits every page's owner)
+
+
+def test_a_stopped_hybrid_prefetch_reports_only_what_is_reusable(
+    make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the final SWA window and the last checkpoint are fetched: an earlier batch end
+    is no boundary a hybrid model can resume from, so tokens_ready ("a usable prefix")
+    stays 0 until the whole op landed."""
+    ctl = make(hybrid=True, prefetch__policy="best_effort", **THROUGH)
+    eng = Engine(ctl)
+    tokens = seq(8)
+    eng.request_then_only_in_l3(tokens)
+    monkeypatch.setattr(pf, "BATCH_PAGES", 2)
+    gate, second = threading.Event(), threading.Event()
+    real = ctl.l3.backend._read_into
+    calls = [0]
+
+    def read(keys, buffers):  # the second batch's read waits for the cancel
+        calls[0] += 1
+        if calls[0] == 2:
+            second.set()
+            gate.wait(5)
+        return real(keys, buffers)
+
+    monkeypatch.setattr(ctl.l3.backend, "_read_into", read)
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.prefetch_id and second.wait(5)
+    ready = ctl.cancel_prefetch(m.prefetch_id)
+    gate.set()
+    assert ctl.prefetcher.worker.drain(10)
+    info = ctl.prefetch_status(m.prefetch_id)
+    ctl.release("e1", m.lock_id, None)
+    again = ctl.match("e1", MatchRequest("", tokens))
+    assert info.state is PrefetchState.CANCELLED and ready == info.tokens_ready == 0
+    assert again.device_tokens + again.host_tokens == 0
