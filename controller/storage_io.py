@@ -29,6 +29,8 @@ from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
 
 log = logging.getLogger("hicache.controller.l3")
+# How long a page whose object read back corrupt counts as absent in L3 for this node.
+CORRUPT_ABSENT_S = 60.0
 _S = TypeVar("_S", GetStatus, PutStatus)
 
 
@@ -97,6 +99,12 @@ class L3Store:
             if status is not GetStatus.HIT:  # the first page with a member missing ends the run
                 page = i // per
                 self.cache.forget(keys[page * per : (page + 1) * per])
+                if status is GetStatus.CORRUPT:
+                    # Possibly left in the store (another geometry or format version is not
+                    # ours to remove): the store would call it present at every lookup, and
+                    # every match would promise and re-read it. Known absent for a while (a
+                    # good copy this node writes clears that at once).
+                    self.cache.add_absent(keys[page * per], CORRUPT_ABSENT_S)
                 return page
         return len(hashes)
 

@@ -134,9 +134,10 @@ class ExistenceCache:
             while len(present) > self._capacity:
                 self._present.popitem(last=False)
 
-    def add_absent(self, key: str) -> None:
+    def add_absent(self, key: str, ttl_s: float | None = None) -> None:
+        """`key` known absent for `ttl_s` (default: the cache's negative TTL)."""
         with self._mu:
-            self._absent[key] = self._clock() + self._ttl
+            self._absent[key] = self._clock() + (self._ttl if ttl_s is None else ttl_s)
             self._present.pop(key, None)
             if len(self._absent) > self._capacity:
                 now = self._clock()

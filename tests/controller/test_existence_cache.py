@@ -122,3 +122,36 @@ def test_a_written_run_keeps_its_head_most_recent(make) -> None:  # type: ignore
     order = list(ctl.l3.cache._present)  # (before known_run, which touches them again)
     assert set(written) <= set(order)
     assert order.index(written[0]) > order.index(written[-1])  # the head is the most recent
+
+
+def test_a_page_read_back_corrupt_is_not_promised_again_at_every_match(make) -> None:  # type: ignore[no-untyped-def]
+    """An object another daemon version wrote under our key (not ours to remove) reads as
+    corrupt. The store still says present: every match used to promise the page as L3
+    tokens and start a prefetch that read the run again and failed at the same page. It is
+    known absent for a while instead; a good copy this node writes ends that at once."""
+    from engine_sim import Engine, seq, wait_prefetch
+
+    from hicache.controller.base import MatchRequest
+    from hicache.types import ComponentKind
+
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    eng.request_then_only_in_l3(tokens)
+    key = ctl.l3.keys("", [eng.hashes(tokens)[2]], ctl.cfg.model.family(ComponentKind.FULL))[0]
+    with open(ctl.l3.backend.path_of(key), "r+b") as f:  # a newer header format version
+        f.seek(4)
+        f.write((2).to_bytes(2, "little"))
+    promised, reads = [], []
+    for _ in range(3):
+        before = ctl.l3.backend.stats().gets
+        m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+        if m.prefetch_id:
+            wait_prefetch(ctl, m.prefetch_id)
+        ctl.release("e1", m.lock_id, None)
+        promised.append(m.storage_tokens)
+        reads.append(ctl.l3.backend.stats().gets - before)
+    ps = ctl.cfg.model.page_size
+    # The first match promised all 4 pages and brought pages 0-1; then page 2 is absent.
+    assert promised == [4 * ps, 0, 0] and reads[1:] == [0, 0], (promised, reads)
+    assert ctl.l3.backend.exists_prefix([key]) == 1  # left in the store: not ours to judge

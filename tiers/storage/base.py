@@ -76,9 +76,10 @@ MISSING = -1  # `_read_into` result for a key that is not in the store
 # 64 KiB page costs ~1.5 µs then, ~5 µs once other pages pushed it out).
 VERIFIED = -2
 # `_read_into` result for a key whose stored thing is no object of ours (a Redis value of
-# another type, a directory or FIFO at a file's path): a size no buffer has, so the
-# caller counts that key corrupt and zeroes its buffer; the rest of the batch goes on.
-NOT_AN_OBJECT = 0
+# another type, a directory or FIFO at a file's path): the caller counts that key corrupt
+# and zeroes its buffer, leaves the thing in place, and the rest of the batch goes on.
+# (Not 0: an EMPTY stored object is ours, torn, and is removed.)
+NOT_AN_OBJECT = -3
 CANARY_PAYLOAD = 4096
 
 
@@ -218,12 +219,21 @@ class StorageBackend(abc.ABC):
             if size == MISSING:
                 out.append(GetStatus.MISS)
                 continue
+            if size == NOT_AN_OBJECT:  # someone else's thing at our key: not ours to remove
+                log.debug("%s: %s holds no object; a miss", self.name, key)
+                buf[:] = 0
+                corrupt += 1
+                out.append(GetStatus.CORRUPT)
+                continue
             if size != VERIFIED:
                 try:
                     check_object(buf, key, size)
                 except ObjectCorrupt as e:
+                    # Ours and broken: the right size with our format, cut short with our
+                    # header, or shorter than any header (a crash left it empty): nothing
+                    # another geometry or daemon version could have written.
                     if ((size == buf.nbytes and not other_format(buf))
-                            or truncated_of_ours(buf, key, size)):  # (a torn write)
+                            or truncated_of_ours(buf, key, size) or 0 <= size < HEADER_BYTES):
                         broken.append(key)
                         self._warn.warning("corrupt", "%s: %s; a miss, removing it from the store",
                                            self.name, e)

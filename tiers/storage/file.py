@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -36,7 +37,38 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
+# A temp file is `<object path>.<host>.<pid>.<thread>.tmp`: the host (the pod name under
+# Kubernetes) keeps two nodes' writers with equal pids apart, and tells a starting daemon
+# which leftovers are its own host's: those whose process is dead (or is itself: a
+# restarted container's daemon has PID 1 again) are removed at start, whatever their age.
+# Other hosts' leftovers are removed once older than STALE_TEMP_S.
 STALE_TEMP_S = 600.0
+
+
+def _host_tag() -> str:
+    """This host's name as one temp-name field (no dots, no separators)."""
+    name = socket.gethostname() or "host"
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64]
+
+
+# About when this process started: a temp file of this host named with this process's pid
+# but older than that is a previous incarnation's (a restarted container's daemon has the
+# same pid). The margin covers file times set by a file server whose clock runs ahead.
+_PROCESS_STARTED = time.time()
+_CLOCK_MARGIN_S = 2.0
+
+
+def _writer_gone(pid: int, mtime: float) -> bool:
+    """Whether the process `pid` of this host that wrote a temp file at `mtime` is gone."""
+    if pid == os.getpid():
+        return mtime < _PROCESS_STARTED - _CLOCK_MARGIN_S
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # (EPERM: alive, another user's)
+        return False
+    return False
 # A batch is cut into parts of at least MIN_PART objects for this many threads. Writes are
 # mostly system calls (create, write, rename) that release the GIL: two threads measured
 # ~1.3x one here. Reads are mostly the kernel's copy plus hashing under the GIL: a second
@@ -70,6 +102,7 @@ class FileBackend(StorageBackend):
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
         self._used = 0
         self._lock = threading.Lock()
+        self._host = _host_tag()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -109,8 +142,9 @@ class FileBackend(StorageBackend):
                 path = os.path.join(folder, name)
                 try:
                     st = os.stat(path)
-                    if name.endswith(TEMP_SUFFIX) and now - st.st_mtime > STALE_TEMP_S:
-                        os.unlink(path)  # left by a writer that died
+                    if name.endswith(TEMP_SUFFIX):
+                        if now - st.st_mtime > STALE_TEMP_S or self._dead_writers_temp(name, st.st_mtime):
+                            os.unlink(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
                         found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
                 except FileNotFoundError:
@@ -121,6 +155,14 @@ class FileBackend(StorageBackend):
             self._used = sum(size for _, _, size in found)
             victims = self._evict_locked(0)
         self._unlink(victims)
+
+    def _dead_writers_temp(self, name: str, mtime: float) -> bool:
+        """Whether temp file `name` (written at `mtime`) is this host's and its writer
+        process is gone."""
+        parts = name[: -len(TEMP_SUFFIX)].rsplit(".", 3)  # <object>.<host>.<pid>.<thread>
+        if len(parts) != 4 or parts[1] != self._host or not parts[2].isdigit():
+            return False
+        return _writer_gone(int(parts[2]), mtime)
 
     # ------------------------------------------------------------------ paths and index
 
@@ -206,6 +248,9 @@ class FileBackend(StorageBackend):
                 out.append(MISSING)
                 continue
             except OSError as e:
+                if e.errno == errno.ESTALE:  # removed by another node (NFS): gone, like above
+                    out.append(MISSING)
+                    continue
                 if e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
                 out.append(NOT_AN_OBJECT)
@@ -213,9 +258,12 @@ class FileBackend(StorageBackend):
             try:
                 size = _read_object(fd, buf.data, extra)
             except OSError as e:
-                if e.errno not in _NOT_AN_OBJECT_ERRNOS:
+                if e.errno == errno.ESTALE:  # removed by another node while open (NFS)
+                    size = MISSING
+                elif e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
-                size = NOT_AN_OBJECT  # e.g. a directory at the object's path
+                else:
+                    size = NOT_AN_OBJECT  # e.g. a directory at the object's path
             finally:
                 os.close(fd)
             if size == buf.nbytes:
@@ -235,7 +283,7 @@ class FileBackend(StorageBackend):
 
     def _write_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         out: list[PutStatus] = []
-        tmp_suffix = f".{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
+        tmp_suffix = f".{self._host}.{os.getpid()}.{threading.get_ident()}{TEMP_SUFFIX}"
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = self._path(h)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from storage_pages import Pool, keys
 from hicache.config import FileStorageConfig
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
-from hicache.tiers.storage.file import FileBackend
+from hicache.tiers.storage.file import STALE_TEMP_S, FileBackend
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs, parse_mountinfo
 
 OBJECT = HEADER_BYTES + 4096
@@ -258,3 +260,93 @@ def test_something_else_at_an_object_path_is_that_key_corrupt_not_a_dead_store(
     assert backend.stats().corrupt == 1
     assert backend.health().healthy
     backend.close()
+
+
+def test_a_vanished_object_on_a_shared_mount_is_a_miss_not_a_dead_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS: another node unlinked an object this node opened (its capacity eviction, a
+    corrupt object's removal): the read fails with ESTALE. That object is gone, as if the
+    open had not found it; the batch's other objects still hit, the store stays up."""
+    backend = _backend(tmp_path)
+    src, dst = Pool(3, seed=1), Pool(3, seed=None)
+    ks = keys(3)
+    assert backend.put_from(ks, src.slots()) == [PutStatus.STORED] * 3
+    real_open, real_readv = os.open, os.readv
+    stale_open, stale_read = backend.path_of(ks[0]), backend.path_of(ks[1])
+
+    def open_(path: str, flags: int, *args: int) -> int:
+        if path == stale_open:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real_open(path, flags, *args)
+
+    def readv(fd: int, buffers: list[memoryview]) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == stale_read:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "readv", readv)
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.MISS, GetStatus.MISS, GetStatus.HIT]
+    assert (dst.pages[2] == src.pages[2]).all()
+
+
+def test_an_empty_object_left_by_a_crash_is_removed_so_a_good_copy_can_be_stored(
+    tmp_path: Path,
+) -> None:
+    """Without fsync (the default) a crash after the rename can leave an empty file. It is
+    nobody's valid object (every one has a 64-byte header): removed at its read, so the
+    next put stores the page again (left, every put answered PRESENT: the key was lost to
+    L3 for good, on every node)."""
+    writer, reader = _backend(tmp_path), _backend(tmp_path)  # two nodes, one directory
+    src, dst = Pool(3, seed=1), Pool(3, seed=None)
+    ks = keys(3)
+    assert writer.put_from(ks, src.slots()) == [PutStatus.STORED] * 3
+    os.truncate(writer.path_of(ks[1]), 0)
+    assert reader.get_into(ks, dst.slots()) == [GetStatus.HIT, GetStatus.CORRUPT, GetStatus.HIT]
+    assert reader.stats().corrupt_removed == 1 and not os.path.exists(writer.path_of(ks[1]))
+    assert reader.put_from(ks, src.slots()) == [PutStatus.PRESENT, PutStatus.STORED, PutStatus.PRESENT]
+    assert writer.get_into(ks, dst.slots()) == [GetStatus.HIT] * 3
+
+
+def test_a_restart_removes_its_hosts_dead_writers_temp_files_whatever_their_age(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon killed between a temp file's creation and its rename, restarted within
+    seconds (Kubernetes): its leftovers are too young for the age rule (STALE_TEMP_S) and
+    used to stay until some later restart. This host's temp files whose writer process is
+    gone (or is a previous incarnation with this pid) go at start; a live writer's, and
+    another host's young ones, stay; anyone's older than STALE_TEMP_S go."""
+    first = _backend(tmp_path)
+    (k,) = keys(1)
+    host = first._host
+    base = first.path_of(k)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    dead_pid = 2**22 + 12345  # above any pid_max default: no such process
+    now = time.time()
+    temps = {
+        "dead": (f"{base}.{host}.{dead_pid}.7.tmp", now),
+        "live": (f"{base}.{host}.{os.getppid()}.7.tmp", now),  # (the test runner's parent)
+        "this process, before it started": (f"{base}.{host}.{os.getpid()}.7.tmp", now - 3600),
+        "other host": (f"{base}.otherhost.{dead_pid}.7.tmp", now),
+        "other host, old": (f"{base}.otherhost.4242.7.tmp", now - STALE_TEMP_S - 60),
+        "old naming": (f"{base}.{dead_pid}.7.tmp", now),
+    }
+    for path, mtime in temps.values():
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)
+        os.utime(path, (mtime, mtime))
+    restarted = _backend(tmp_path)
+    left = {name for name, (path, _) in temps.items() if os.path.exists(path)}
+    assert left == {"live", "other host", "old naming"}
+    # Its own writes carry the host: two nodes' writers with one pid never share a name.
+    renamed: list[str] = []
+    real_replace = os.replace
+
+    def replace(src: str, dst: str) -> None:
+        renamed.append(src)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert restarted.put_from(keys(1), Pool(1).slots()) == [PutStatus.STORED]
+    assert host and "." not in host and f".{host}.{os.getpid()}." in renamed[0]

@@ -146,3 +146,22 @@ def test_the_present_run_is_exact_for_every_shape_of_presence(redis_server: Redi
     finally:
         raw.close()
         backend.close()
+
+
+def test_an_empty_value_is_removed_so_a_good_copy_can_be_stored(redis_server: RedisServer) -> None:
+    """An empty value under our key is nobody's valid object (every one has a 64-byte
+    header): removed at its read, so the page can be stored again; a value of another type
+    is someone else's, and stays."""
+    backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=redis_server.url))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        empty, listed = keys(2)
+        raw.set(empty, b"")
+        raw.rpush(listed, b"x")
+        assert backend.get_into([empty, listed], Pool(2, seed=None).slots()) == [GetStatus.CORRUPT] * 2
+        assert backend.stats().corrupt_removed == 1
+        assert raw.exists(empty) == 0 and raw.exists(listed) == 1
+        assert backend.put_from([empty], Pool(1, seed=3).slots()) == [PutStatus.STORED]
+    finally:
+        raw.close()
+        backend.close()
