@@ -306,7 +306,8 @@ class Transfers:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
             release(len(hashes) // PAGE_HASH_BYTES)
 
-        if not self.ctl.l3.takes_writes or not self.backup_worker.submit(
+        l3 = self.ctl.l3
+        if l3 is None or not l3.takes_writes or not self.backup_worker.submit(
             Job("write-back", run, lambda _e: release())
         ):
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
@@ -791,11 +792,9 @@ class Transfers:
         running.result()  # work() keeps its exception in op.error: this only waits
 
     def copy_l1_slot(self, kind: ComponentKind, src: int, dst: int) -> None:
-        """Copy one L1 slot of a family to another (MAMBA copy-on-write)."""
-        for member in self.cfg.model.family(kind):
-            for layer in range(member.layers):
-                rows = self.ctl.device.layer(member.name, layer)
-                rows[dst].copy_(rows[src])
+        """Copy one L1 slot of a family to another (MAMBA copy-on-write), complete when
+        this returns (on CUDA too: the engine uses `dst` right after the RPC)."""
+        self.copier.copy_within_device(kind, src, dst)
 
     # ------------------------------------------------------------------ flush
 

@@ -20,6 +20,10 @@ may have taken effect when the connection broke, so they are sent once (after a 
 check, retried the same way, when the connection failed last time); an UNAVAILABLE is
 raised.
 
+With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
+pools' device (`sync=False` skips it): the daemon copies and reuses those pages in its own
+process, where nothing waits for this process's GPU streams.
+
 When the daemon forgets this engine (it restarted, or the lease lapsed), the heartbeat
 sees it: `detached` says why, `on_detached` is called once, and heartbeats stop until
 `attach()` is called again (the pools must be mapped anew: a restarted daemon has new ones).
@@ -162,6 +166,8 @@ class Client:
         self._tp_rank = 0
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
+        # CUDA devices of the mapped L1 pools: synchronized before Insert and Release.
+        self._cuda_devices: tuple[torch.device, ...] = ()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -253,6 +259,9 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools)
+            self._cuda_devices = tuple(
+                {rows[0].device for rows in pools.values() if rows and rows[0].is_cuda}
+            )
         with self._heartbeat_mu:
             self._attaches += 1
             self.detached = None
@@ -341,13 +350,25 @@ class Client:
         request_id: str = "",
         mamba_checkpoint: bool = False,
         keep_lock: bool = False,
+        sync: bool = True,
     ) -> InsertOutcome:
+        """Commit the prompt's KV. The daemon copies the new pages (write-through) as soon
+        as it gets them, in its own process, where nothing waits for this process's GPU
+        streams: with CUDA pools, `sync` (default) first waits for all work queued on
+        their device here. Pass False only when the KV writes are known complete (e.g.
+        the engine synchronized after its forward pass)."""
+        if sync:
+            self.sync_device()
         req = _insert_request(tokens, namespace, lock_id=lock_id, allocation_id=allocation_id,
                               session_id=session_id, request_id=request_id,
                               mamba_checkpoint=mamba_checkpoint, keep_lock=keep_lock)
         return convert.insert_from_pb(self._call(self._stub.Insert, req))
 
-    def release(self, *, lock_id: int | None = None, allocation_id: int | None = None) -> None:
+    def release(self, *, lock_id: int | None = None, allocation_id: int | None = None,
+                sync: bool = True) -> None:
+        """`sync`: see `insert` (the daemon may hand released pages to another request)."""
+        if sync:
+            self.sync_device()
         self._call(self._stub.Release, release_op(lock_id=lock_id, allocation_id=allocation_id).release,
                    repeatable=True, released_ok=True)
 
@@ -376,10 +397,13 @@ class Client:
                        repeatable=True, released_ok=True)
         return int(r.released_refs) if r is not None else 0
 
-    def batch(self, ops: Sequence[pb.BatchOp]) -> list[Any]:
+    def batch(self, ops: Sequence[pb.BatchOp], sync: bool = True) -> list[Any]:
         """Run ops (built with `match_op`, `insert_op`, ...) in one call. Each result is
         the op's typed result, or the `HicacheError` it failed with (not raised). Sent
-        once unless every op is safe to repeat (see the module's notes on retries)."""
+        once unless every op is safe to repeat (see the module's notes on retries).
+        `sync`: as for `insert`, when an op is an Insert or a Release."""
+        if sync and any(op.WhichOneof("op") in ("insert", "release") for op in ops):
+            self.sync_device()
         repeatable = all(op.WhichOneof("op") in _REPEATABLE_OPS for op in ops)
         r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
         out: list[Any] = []
@@ -390,6 +414,15 @@ class Client:
             else:
                 out.append(_RESULT_READERS[kind](getattr(result, kind)))
         return out
+
+    def sync_device(self) -> None:
+        """Wait for all work queued on the mapped CUDA pools' devices in this process (no-op
+        for shared-memory pools, whose writes are complete when they return)."""
+        if self._cuda_devices:
+            import torch
+
+            for device in self._cuda_devices:
+                torch.cuda.synchronize(device)
 
     # ------------------------------------------------------------------ locks as context managers
 

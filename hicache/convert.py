@@ -145,6 +145,7 @@ def pool_to_pb(d: PoolDescriptor, tp_rank: int) -> pb.Pool:
         ref_counter_offset=d.ref_counter_offset,
         event_handle=d.event_handle,
         event_sync_required=d.event_sync_required,
+        device_uuid=d.device_uuid,
     )
 
 
@@ -164,6 +165,7 @@ def pool_from_pb(p: pb.Pool) -> PoolDescriptor:
         ref_counter_offset=p.ref_counter_offset,
         event_handle=p.event_handle,
         event_sync_required=p.event_sync_required,
+        device_uuid=p.device_uuid,
     )
 
 

@@ -53,8 +53,9 @@ case "$cmd" in
   test)
     export PATH="$VENV/bin:$PATH"
     set +e
-    "$VENV/bin/ruff" check . && "$VENV/bin/mypy" hicache tiers controller --no-error-summary >/dev/null \
-      || { echo "bootstrap: lint/type check failed" >&2; "$VENV/bin/mypy" hicache tiers controller | tail -20; exit 1; }
+    # mypy on the installed layout (hicache.tiers, hicache.controller): scripts/typecheck.py
+    "$VENV/bin/ruff" check . && "$VENV/bin/python" scripts/typecheck.py --no-error-summary >/dev/null \
+      || { echo "bootstrap: lint/type check failed" >&2; "$VENV/bin/python" scripts/typecheck.py | tail -20; exit 1; }
     "$VENV/bin/python" -m pytest "$@"
     rc=$?
     [ $rc -eq 5 ] && { echo "bootstrap: pytest collected no tests" >&2; exit 1; }

@@ -101,7 +101,8 @@ class PoolDescriptor:
     it at ``p * page_stride_bytes`` within the region.
 
     `handle`: the shm segment name (ASCII) or the 64-byte CUDA IPC memory handle.
-    `device`: CUDA device ordinal; -1 for shared memory.
+    `device`: CUDA device ordinal in the daemon; -1 for shared memory. `device_uuid`: the
+    GPU's UUID (CUDA), by which an engine finds its own ordinal of that GPU.
     The ``ref_counter_*``/``event_*`` fields carry torch's CUDA IPC bookkeeping (the
     reference-counter file and the producer's event); they are empty for SHM.
     """
@@ -120,6 +121,7 @@ class PoolDescriptor:
     ref_counter_offset: int = 0
     event_handle: bytes = b""
     event_sync_required: bool = False
+    device_uuid: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -200,6 +202,11 @@ class HostPools(MemberPools):
     def pinned(self) -> bool:
         """Whether the buffer is page-locked (registered with CUDA)."""
 
+    def pinned_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The (address, length) registrations of a pinned buffer, sorted; () if none. A
+        single DMA must stay inside one of them."""
+        return ()
+
     @property
     @abc.abstractmethod
     def buffer_address(self) -> int:
@@ -255,7 +262,8 @@ class CopyEngine(abc.ABC):
     it is called, that layer's bytes are in place (on CUDA: the layer's event completed).
     Copying zero pages is valid: it calls ``on_layer`` for every layer and moves nothing.
     The engine neither allocates nor frees pages: the caller owns both id batches.
-    Calls are serialised by the caller (one copy at a time per engine).
+    Calls may come from several threads at once (loads, the copy worker, RPC threads);
+    each returns once its own copy is complete.
     """
 
     @abc.abstractmethod
@@ -277,6 +285,11 @@ class CopyEngine(abc.ABC):
         on_layer: LayerCallback | None = None,
     ) -> CopyResult:
         """Copy L2 pages `host_ids[i]` to L1 pages `device_ids[i]` of every family member."""
+
+    @abc.abstractmethod
+    def copy_within_device(self, family: ComponentKind, src: int, dst: int) -> None:
+        """Copy L1 page (slot) `src` to `dst` for every member of `family` (MAMBA
+        copy-on-write); complete when it returns."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -112,6 +112,12 @@ class CpuCopyEngine(CopyEngine):
         s, d = validate_copy(family, self._host, host_ids, self._device, device_ids, ("L2", "L1"))
         return self._copy(family, self._host, s, self._device, d, on_layer)
 
+    def copy_within_device(self, family: ComponentKind, src: int, dst: int) -> None:
+        for spec in self._device.family(family):
+            for layer in range(spec.layers):
+                rows = self._device.layer(spec.name, layer)
+                rows[dst].copy_(rows[src])
+
     def close(self) -> None:
         self._rows.clear()
         self._families.clear()

@@ -4,12 +4,20 @@ point raises `FailedPrecondition` when CUDA is absent.
 
 IPC uses torch's own protocol (`torch.multiprocessing.reductions`): the daemon keeps each
 pool tensor alive for its lifetime; `PoolDescriptor` carries the IPC memory handle, the
-offset of the pool inside the exported allocation and torch's reference-counter and event
-handles, so any process with torch can open it (`open_ipc_pool`).
+offset of the pool inside the exported allocation, torch's reference-counter and event
+handles, and the GPU's UUID, so any process with torch can open it (`open_ipc_pool`) on
+the same physical GPU whatever its own device numbering.
+
+Ordering with the engine: CUDA streams and events order work within one process only.
+The engine's writes to L1 pages must be complete before it calls Insert or Release on
+them (`hicache.client.Client` synchronizes the device first unless told the engine did);
+the daemon's copies into L1 are complete before Load reports a layer (host-side event
+wait), and its own copies within L1 (MAMBA copy-on-write) before the RPC returns.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,10 +40,14 @@ from hicache.tiers.base import (
 )
 from hicache.tiers.copy import copy_rows
 from hicache.tiers.members import MemberTable
-from hicache.tiers.rows import plan_rows, validate_copy
+from hicache.tiers.rows import RowPlan, plan_rows, validate_copy
 from hicache.types import ComponentKind
 
-REGISTER_CHUNK = 1 << 30  # cudaHostRegister in 1 GiB pieces: huge single calls stall
+# cudaHostRegister calls cover at most this much: recent drivers refuse single calls near
+# 512 GiB. A copy must not span two registrations (the driver answers "invalid argument"
+# or falls back to a synchronous copy), so fewer, larger ones are better: the copy engine
+# stages a run that would span two (`_in_one_range`).
+REGISTER_CHUNK = 256 << 30
 
 
 def _require_cuda() -> None:
@@ -85,7 +97,9 @@ class CudaDevicePools(MemberTable, DevicePools):
         _require_cuda()
         MemberTable.__init__(self, members, pages, "l1")
         self._device = torch.cuda.current_device() if device is None else device
+        self._uuid = device_uuid(self._device)
         self._tensors: dict[str, torch.Tensor] = {}
+        self._descriptors: tuple[PoolDescriptor, ...] | None = None
         for spec in self.members:
             n = self.num_pages(spec.component)
             self._tensors[spec.name] = torch.empty(
@@ -96,6 +110,13 @@ class CudaDevicePools(MemberTable, DevicePools):
 
     @classmethod
     def create(cls, cfg: HicacheConfig, device: int | None = None) -> CudaDevicePools:
+        if cfg.model.tp_size > 1:
+            # One pool set on one GPU would be shared by every rank, each overwriting the
+            # others' head shards; per-rank pools on each rank's GPU are not built yet.
+            raise FailedPrecondition(
+                f"model.tp_size={cfg.model.tp_size}: CUDA L1 pools serve one rank on one "
+                "GPU; run one daemon (instance) per tensor-parallel rank, each with tp_size 1"
+            )
         members = cfg.model.members
         return cls(members, {m.component: cfg.pages_for(m.component) for m in members}, device)
 
@@ -112,6 +133,14 @@ class CudaDevicePools(MemberTable, DevicePools):
         return self._tensors[member][layer]
 
     def descriptors(self) -> tuple[PoolDescriptor, ...]:
+        """Exported once and kept: each export makes torch a new sharing record (reference
+        counter slot, event) that only a consumer of that very export frees, so exporting
+        per Attach would pile them up for engines that never map or die."""
+        if self._descriptors is None:
+            self._descriptors = self._export()
+        return self._descriptors
+
+    def _export(self) -> tuple[PoolDescriptor, ...]:
         out = []
         for spec in self.members:
             tensor = self._tensors[spec.name]
@@ -135,17 +164,40 @@ class CudaDevicePools(MemberTable, DevicePools):
                     ref_counter_offset=int(args[12]),
                     event_handle=bytes(args[13]) if args[13] is not None else b"",
                     event_sync_required=bool(args[14]),
+                    device_uuid=self._uuid,
                 )
             )
         return tuple(out)
 
     def close(self) -> None:
+        self._descriptors = None
         self._tensors.clear()
+
+
+def device_uuid(ordinal: int) -> str:
+    """The GPU's UUID (the same in every process, whatever CUDA_VISIBLE_DEVICES says)."""
+    return str(torch.cuda.get_device_properties(ordinal).uuid)
+
+
+def local_ordinal(desc: PoolDescriptor) -> int:
+    """This process's ordinal of the GPU `desc` lives on: found by UUID (an engine may see
+    the daemon's GPU 3 as its cuda:0), else the daemon's ordinal (no UUID sent). Raises
+    `FailedPrecondition` when this process cannot see that GPU."""
+    if not desc.device_uuid:
+        return desc.device
+    for ordinal in range(torch.cuda.device_count()):
+        if device_uuid(ordinal) == desc.device_uuid:
+            return ordinal
+    raise FailedPrecondition(
+        f"pool {desc.member!r} lives on GPU {desc.device_uuid}, which this process does not "
+        "see (CUDA_VISIBLE_DEVICES): the engine must run on the daemon's GPU"
+    )
 
 
 def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
     """Engine side: open one CUDA IPC pool; per-layer uint8 tensors ``[num_pages, page]``."""
     _require_cuda()
+    device = local_ordinal(desc)
     total = desc.layers * desc.layer_stride_bytes
     flat = reductions.rebuild_cuda_tensor(
         torch.Tensor,
@@ -154,7 +206,7 @@ def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
         0,
         torch.UntypedStorage,
         torch.uint8,
-        desc.device,
+        device,
         desc.handle,
         desc.size_bytes,
         desc.offset_bytes,
@@ -171,18 +223,23 @@ def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
 class CudaCopyEngine(CopyEngine):
     """L1 (GPU) <-> L2 (pinned host) on a dedicated stream, one event per layer.
 
-    Every layer is enqueued first, then the calling thread waits on each layer's event in
-    order and reports it, so layer `l+1` is in flight while `l` is reported. The GPU side
-    gathers/scatters with index ops into contiguous staging rows; the host side moves
-    straight between staging and the pool when the host ids form one contiguous run of a
-    contiguous layer view, and through a pinned staging buffer plus a CPU row copy otherwise.
+    Layers are enqueued in order; after each, the layers whose copies already finished are
+    reported (a host->device copy that stages on the CPU gathers layer `l+1` while layer
+    `l` is in flight, and reports `l` as soon as it landed); then the calling thread waits
+    on the rest in order. The GPU side gathers/scatters with index ops into contiguous
+    staging rows; the host side moves straight between staging and the pool when the host
+    ids form one contiguous run of a contiguous layer view inside one pinned registration,
+    and through a pinned staging buffer plus a CPU row copy otherwise.
     """
 
     def __init__(self, device: DevicePools, host: HostPools) -> None:
         _require_cuda()
         self._device = device
         self._host = host
-        self._stream = torch.cuda.Stream(device=torch.device("cuda", torch.cuda.current_device()))
+        # On the pools' GPU (not whichever is current): the streams and events must be
+        # the ones of the device the rows live on.
+        ordinal = device.device if isinstance(device, CudaDevicePools) else torch.cuda.current_device()
+        self._stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="hicache-cuda-copy")
 
     def device_to_host(
@@ -204,6 +261,18 @@ class CudaCopyEngine(CopyEngine):
     ) -> CopyResult:
         h, d = validate_copy(family, self._host, host_ids, self._device, device_ids, ("L2", "L1"))
         return self._run(family, d, h, to_host=False, on_layer=on_layer)
+
+    def copy_within_device(self, family: ComponentKind, src: int, dst: int) -> None:
+        """Copy L1 slot `src` of every member of `family` to slot `dst` (MAMBA
+        copy-on-write), complete when this returns: the engine uses `dst` right after the
+        RPC, and nothing in its process waits on this daemon's stream."""
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            for spec in self._device.family(family):
+                for layer in range(spec.layers):
+                    rows = self._device.layer(spec.name, layer)
+                    rows[dst].copy_(rows[src], non_blocking=True)
+        self._stream.synchronize()
 
     def close(self) -> None:
         self._stream.synchronize()
@@ -227,51 +296,99 @@ class CudaCopyEngine(CopyEngine):
         )
         # One contiguous run of host pages: DMA straight between staging and the pool.
         direct = n > 0 and bool(np.all(np.diff(host_ids) == 1))
-        gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
+        ranges = self._host.pinned_ranges()
         events: list[torch.cuda.Event] = []
         finish: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        reported = 0
         moved = 0
+        # Orders this copy after L1 work the daemon itself queued on its current stream
+        # (an earlier copy's landing, a copy-on-write): NOT after the engine's kernels,
+        # which run in another process (the engine synchronizes before Insert/Release).
         main = torch.cuda.current_stream(self._stream.device)
-        self._stream.wait_stream(main)  # the engine's kernels that wrote L1 come first
-        with torch.cuda.stream(self._stream):
-            for layer in range(layers):
-                pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-                for spec in members:
-                    if layer >= spec.layers or n == 0:
-                        continue
-                    moved += n * spec.bytes_per_page_per_layer
-                    dev_rows = self._device.layer(spec.name, layer)
-                    host_rows = self._host.layer(spec.name, layer)
-                    h0 = int(host_ids[0])
-                    host_slice = host_rows[h0 : h0 + n]
-                    use_direct = direct and host_slice.is_contiguous()
-                    if to_host:
-                        rows = dev_rows.index_select(0, gpu_ids)
-                        if use_direct:
-                            host_slice.copy_(rows, non_blocking=True)
+        self._stream.wait_stream(main)
+        try:
+            with torch.cuda.stream(self._stream):
+                # (Allocated on the copy stream, so its memory is reused in its order.)
+                gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
+                for layer in range(layers):
+                    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+                    for spec in members:
+                        if layer >= spec.layers or n == 0:
+                            continue
+                        moved += n * spec.bytes_per_page_per_layer
+                        dev_rows = self._device.layer(spec.name, layer)
+                        host_rows = self._host.layer(spec.name, layer)
+                        h0 = int(host_ids[0])
+                        host_slice = host_rows[h0 : h0 + n]
+                        use_direct = (direct and host_slice.is_contiguous()
+                                      and _in_one_range(ranges, host_slice.data_ptr(),
+                                                        host_slice.numel()))
+                        if to_host:
+                            rows = dev_rows.index_select(0, gpu_ids)
+                            if use_direct:
+                                host_slice.copy_(rows, non_blocking=True)
+                            else:
+                                pinned = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+                                pinned.copy_(rows, non_blocking=True)
+                                pending.append((pinned, host_rows))
                         else:
-                            pinned = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-                            pinned.copy_(rows, non_blocking=True)
-                            pending.append((pinned, host_rows))
-                    else:
-                        if use_direct:
-                            src = host_slice
-                        else:
-                            src = torch.empty(
-                                (n, host_rows.shape[1]), dtype=torch.uint8, pin_memory=True
-                            )
-                            copy_rows(host_plan, host_rows, src, self._pool)
-                        rows = src.to(self._stream.device, non_blocking=True)
-                        dev_rows.index_copy_(0, gpu_ids, rows)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-                events.append(event)
-                finish.append(pending)
-        for layer, event in enumerate(events):
-            event.synchronize()
-            for pinned, host_rows in finish[layer]:
-                copy_rows(host_plan, pinned, host_rows, self._pool)
-            if on_layer is not None:
-                on_layer(layer)
+                            if use_direct:
+                                src = host_slice
+                            else:
+                                src = torch.empty(
+                                    (n, host_rows.shape[1]), dtype=torch.uint8, pin_memory=True
+                                )
+                                copy_rows(host_plan, host_rows, src, self._pool)
+                            rows = src.to(self._stream.device, non_blocking=True)
+                            dev_rows.index_copy_(0, gpu_ids, rows)
+                    # Blocking: a waiting thread sleeps instead of spinning on a core.
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(self._stream)
+                    events.append(event)
+                    finish.append(pending)
+                    reported = self._report(events, finish, host_plan, reported, on_layer, wait=False)
+            self._report(events, finish, host_plan, reported, on_layer, wait=True)
+        except BaseException:
+            # Copies already queued may still write into pages the caller frees now.
+            self._stream.synchronize()
+            raise
         main.wait_stream(self._stream)
         return CopyResult(pages=n, bytes=moved, layers=layers)
+
+    def _report(
+        self,
+        events: list[torch.cuda.Event],
+        finish: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        host_plan: RowPlan,
+        reported: int,
+        on_layer: LayerCallback | None,
+        wait: bool,
+    ) -> int:
+        """Land and report layers from `reported` on, in order: those already copied, or
+        (`wait`) all of them. Returns the next layer to report."""
+        while reported < len(events):
+            event = events[reported]
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                break
+            for pinned, host_rows in finish[reported]:
+                copy_rows(host_plan, pinned, host_rows, self._pool)
+            finish[reported] = []
+            if on_layer is not None:
+                on_layer(reported)
+            reported += 1
+        return reported
+
+
+def _in_one_range(ranges: Sequence[tuple[int, int]], address: int, size: int) -> bool:
+    """Whether ``[address, address + size)`` lies inside one of `ranges` (sorted
+    (start, length) registrations); True when there are none (pageable memory: torch
+    copies it synchronously, but correctly)."""
+    if not ranges:
+        return True
+    i = bisect.bisect_right(ranges, (address, 1 << 62)) - 1
+    if i < 0:
+        return False
+    start, length = ranges[i]
+    return start <= address and address + size <= start + length

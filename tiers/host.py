@@ -118,6 +118,9 @@ class HostBufferPools(MemberTable, HostPools):
     def pinned(self) -> bool:
         return bool(self._pinned_chunks)
 
+    def pinned_ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted(self._pinned_chunks))
+
     @property
     def buffer_address(self) -> int:
         return self._address

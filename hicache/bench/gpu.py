@@ -5,7 +5,8 @@
    handles, verifies those pages byte for byte and writes others, which this process checks.
 2. L1<->L2 family copies (pinned L2, copy stream, an event per layer) of `--pages` pages of
    64 KiB, timed against a plain torch copy of the same bytes between the same pinned
-   buffer and the GPU. Ratios are ours / plain throughput.
+   buffer and the GPU. Ratios are ours / plain throughput. Then the bytes are checked: random
+   content goes L1 -> L2, L1 is zeroed, and L2 -> L1 must bring it back exactly.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
         host.close()
         device.close()
-    print(f"gpu bench: CUDA IPC round trip {'ok' if figures['ipc_ok'] else 'FAILED'}")
+    print(f"gpu bench: CUDA IPC round trip {'ok' if figures['ipc_ok'] else 'FAILED'}, "
+          f"L1 -> L2 -> L1 bytes {'exact' if figures['copies_ok'] else 'WRONG'}")
     print(f"{'copy':<10} {'ours GB/s':>10} {'plain GB/s':>11} {'ratio':>6}")
     for name in ("l1_to_l2", "l2_to_l1"):
         print(
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
-    return 0 if figures["ipc_ok"] else 1
+    return 0 if figures["ipc_ok"] and figures["copies_ok"] else 1
 
 
 def _ipc_round_trip(device: Any) -> bool:
@@ -155,4 +157,25 @@ def _time_copies(device: Any, host: Any, engine: Any, pages: int, repeat: int) -
     out["ratios"] = {
         name: out[name] / out[f"{name}_plain"] for name in ("l1_to_l2", "l2_to_l1")
     }
+    out["copies_ok"] = _round_trip_exact(device, engine, dev_ids, host_ids)
     return out
+
+
+def _round_trip_exact(device: Any, engine: Any, dev_ids: np.ndarray, host_ids: np.ndarray) -> bool:
+    """Random bytes L1 -> L2, L1 zeroed, L2 -> L1: the same bytes back (every layer)."""
+    index = torch.from_numpy(dev_ids).cuda()
+    layers = [device.layer("full", layer) for layer in range(device.member("full").layers)]
+    expected = []
+    for rows in layers:
+        content = torch.randint(0, 256, (len(dev_ids), rows.shape[1]), dtype=torch.uint8, device="cuda")
+        rows.index_copy_(0, index, content)
+        expected.append(content)
+    torch.cuda.synchronize()
+    engine.device_to_host(ComponentKind.FULL, dev_ids, host_ids)
+    for rows in layers:
+        rows.index_fill_(0, index, 0)
+    torch.cuda.synchronize()
+    engine.host_to_device(ComponentKind.FULL, host_ids, dev_ids)
+    torch.cuda.synchronize()
+    return all(torch.equal(rows.index_select(0, index), want)
+               for rows, want in zip(layers, expected, strict=True))

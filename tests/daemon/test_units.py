@@ -14,7 +14,7 @@ import pytest
 
 from hicache import convert, errors
 from hicache.auth import ANONYMOUS, Authenticator
-from hicache.client import Client
+from hicache.client import Client, insert_op, match_op, release_op
 from hicache.client_errors import error_for, op_error
 from hicache.config import TokenConfig, load_config
 from hicache.controller.base import PoolUsage, StatsSnapshot
@@ -78,10 +78,49 @@ def test_pool_descriptor_round_trips_every_field() -> None:
     d = PoolDescriptor(member="full", kind=PoolKind.CUDA_IPC, handle=b"\x01" * 64, device=1,
                        num_pages=10, layer_stride_bytes=640, page_stride_bytes=64, layers=3,
                        offset_bytes=128, size_bytes=4096, ref_counter_handle=b"rc",
-                       ref_counter_offset=8, event_handle=b"ev", event_sync_required=True)
+                       ref_counter_offset=8, event_handle=b"ev", event_sync_required=True,
+                       device_uuid="GPU-1234")
     msg = convert.pool_to_pb(d, tp_rank=2)
     assert msg.tp_rank == 2 and msg.kind == pb.CUDA_IPC
     assert convert.pool_from_pb(msg) == d
+
+
+def test_the_client_synchronizes_its_cuda_pools_device_before_insert_and_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon copies inserted pages (write-through) and reuses released ones in its own
+    process, where nothing waits for the engine's GPU streams: the client waits for the
+    device first (unless told the engine did). Shared-memory pools need nothing."""
+    import torch
+
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    client = Client("unix:///nonexistent/hicache.sock", engine_id="e")
+    sent: list[str] = []
+
+    def call(fn: object, request: object, **_kw: object) -> object:
+        sent.append(type(request).__name__)
+        if isinstance(request, pb.BatchRequest):
+            return pb.BatchResponse()
+        return pb.InsertResponse() if isinstance(request, pb.InsertRequest) else pb.ReleaseResponse()
+
+    monkeypatch.setattr(client, "_call", call)
+    try:
+        client.insert(tokens(1), lock_id=1)
+        assert synced == []  # no CUDA pools mapped
+        gpu = torch.device("cuda", 0)
+        client._cuda_devices = (gpu,)
+        client.insert(tokens(1), lock_id=1)
+        client.release(lock_id=1)
+        client.batch([insert_op(tokens(1), lock_id=1)])
+        client.batch([release_op(lock_id=1)])
+        assert synced == [gpu] * 4
+        client.insert(tokens(1), lock_id=1, sync=False)
+        client.release(lock_id=1, sync=False)
+        client.batch([match_op(tokens(1))])  # nothing the daemon would copy or reuse
+        assert synced == [gpu] * 4 and len(sent) == 8
+    finally:
+        client.close()
 
 
 def test_stats_map_core_counter_aliases_to_the_wire_and_keep_extras_for_metrics() -> None:

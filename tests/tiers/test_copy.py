@@ -41,7 +41,7 @@ def assert_holds(pools: MemberPools, kind: ComponentKind, at: np.ndarray, origin
             rows = pools.layer(spec.name, layer)
             for p, o in zip(at.tolist(), origin.tolist(), strict=True):
                 expected = oracle(spec.name, o, layer, rows.shape[1])
-                assert np.array_equal(rows[p].numpy(), expected), (spec.name, layer, p, o)
+                assert np.array_equal(rows[p].cpu().numpy(), expected), (spec.name, layer, p, o)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -166,12 +166,16 @@ def test_bad_copies_are_refused_before_any_byte_moves(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_cuda_family_round_trip(layout: str, make_host: Callable[..., HostBufferPools]) -> None:
+@pytest.mark.parametrize("pin", [True, False])
+def test_cuda_family_round_trip(layout: str, pin: bool) -> None:
+    """Pinned L2 too: only there are the copies asynchronous, so only there would a
+    missing event or stream wait show."""
     from hicache.tiers.cuda import CudaCopyEngine, CudaDevicePools
+    from hicache.tiers.host import build_host_pools
 
     cfg = tiny_config(layout)
     dev = CudaDevicePools.create(cfg)
-    host = make_host(cfg)
+    host = build_host_pools(cfg, pin=pin)
     engine = CudaCopyEngine(dev, host)
     try:
         fill(dev, FULL, np.arange(16))
@@ -182,6 +186,9 @@ def test_cuda_family_round_trip(layout: str, make_host: Callable[..., HostBuffer
         engine.device_to_host(FULL, i64(7, 8), i64(20, 9))
         engine.host_to_device(FULL, i64(2, 0, 9), i64(10, 11, 12))
         assert_holds(dev, FULL, i64(10, 11, 12), i64(3, 5, 8))
+        engine.copy_within_device(FULL, 10, 13)  # (copy-on-write: complete on return)
+        assert_holds(dev, FULL, i64(13), i64(3))
     finally:
         engine.close()
         dev.close()
+        host.close()

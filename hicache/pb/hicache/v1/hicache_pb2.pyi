@@ -79,7 +79,7 @@ class Member(_message.Message):
     def __init__(self, name: _Optional[str] = ..., component: _Optional[str] = ..., anchor: _Optional[str] = ..., layers: _Optional[int] = ..., bytes_per_page_per_layer: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("member", "tp_rank", "kind", "handle", "device", "num_pages", "layer_stride_bytes", "page_stride_bytes", "layers", "offset_bytes", "size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("member", "tp_rank", "kind", "handle", "device", "num_pages", "layer_stride_bytes", "page_stride_bytes", "layers", "offset_bytes", "size_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid")
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class Pool(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     member: str
     tp_rank: int
     kind: PoolKind
@@ -110,7 +111,8 @@ class Pool(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, member: _Optional[str] = ..., tp_rank: _Optional[int] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., num_pages: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, member: _Optional[str] = ..., tp_rank: _Optional[int] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., num_pages: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("page_size", "members", "pools", "lease_ms")
