@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 _DOWN = (redis.RedisError, OSError)
 
 
+GETEX_PROBE_KEY = "hicache-getex-probe"  # never stored: asking for it tells if GETEX exists
+
+
 class RedisBackend(StorageBackend):
     name = "redis"
 
@@ -40,6 +43,7 @@ class RedisBackend(StorageBackend):
         self.cfg = cfg
         self._pool: redis.BlockingConnectionPool | None = None
         self._client: redis.Redis | None = None
+        self._getex: bool | None = None  # whether the server has GETEX (asked at first need)
 
     def start(self) -> None:
         pool = redis.BlockingConnectionPool.from_url(
@@ -131,11 +135,22 @@ class RedisBackend(StorageBackend):
         try:
             for lo in self._batches(len(keys)):
                 pipe = self.client.pipeline(transaction=False)
-                for key in keys[lo : lo + self.cfg.batch]:
-                    pipe.get(key)
+                batch = keys[lo : lo + self.cfg.batch]
+                # With a TTL, a read renews it: objects in use stay, the ones nobody reads
+                # expire `ttl_s` after their last read, not after their write.
+                ttl = self.cfg.ttl_s
+                getex = ttl is not None and self._has_getex()
+                for key in batch:
+                    if getex:
+                        pipe.getex(key, ex=ttl)
+                    else:
+                        pipe.get(key)
+                if ttl is not None and not getex:  # (Redis before 6.2: GET, then EXPIRE)
+                    for key in batch:
+                        pipe.expire(key, ttl)
                 # Per-key errors come back as values: one key of another type (someone
                 # else's RPUSH) must not fail the batch, or the breaker, every time.
-                values = pipe.execute(raise_on_error=False)
+                values = pipe.execute(raise_on_error=False)[: len(batch)]
                 for buf, value in zip(buffers[lo : lo + self.cfg.batch], values, strict=True):
                     if value is None:
                         out.append(MISSING)
@@ -152,6 +167,16 @@ class RedisBackend(StorageBackend):
         except _DOWN as e:
             raise _unavailable(e) from None
         return out
+
+    def _has_getex(self) -> bool:
+        """Whether the server knows GETEX (Redis 6.2+), asked once."""
+        if self._getex is None:
+            try:
+                self.client.getex(GETEX_PROBE_KEY, ex=1)
+                self._getex = True
+            except redis.ResponseError:  # unknown command (or not allowed for this user)
+                self._getex = False
+        return self._getex
 
     def _write_from(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         return self._caller.call(self._write_sync, keys, buffers)

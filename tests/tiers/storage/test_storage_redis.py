@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import redis
@@ -165,3 +166,47 @@ def test_an_empty_value_is_removed_so_a_good_copy_can_be_stored(redis_server: Re
     finally:
         raw.close()
         backend.close()
+
+
+def test_with_a_ttl_a_read_renews_it_so_objects_in_use_stay(redis_server: RedisServer) -> None:
+    """`storage.redis.ttl_s`: an object expires that long after its last read or write, so
+    a hot prefix does not vanish `ttl_s` after it was first written."""
+    cfg = storage_config(StorageBackendName.REDIS, redis_url=redis_server.url)
+    cfg = dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, ttl_s=100))
+    backend = build_backend(cfg)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        read, unread = keys(2)
+        assert backend.put_from([read, unread], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
+        raw.expire(read, 5)  # as if written long ago: 5 s left
+        raw.expire(unread, 5)
+        assert backend.get_into([read], Pool(1, seed=None).slots()) == [GetStatus.HIT]
+        assert raw.ttl(read) > 90  # renewed to the full TTL
+        assert raw.ttl(unread) <= 5
+    finally:
+        raw.close()
+        backend.close()
+
+
+def test_without_getex_a_read_still_renews_the_ttl(redis_server: RedisServer) -> None:
+    """A server without GETEX (before 6.2; here a user not allowed it): GET, then EXPIRE,
+    in the same round trip."""
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("hicache-old", enabled=True, passwords=["+old-secret-1"],
+                      keys=["*"], commands=["+@all", "-getex"])
+    url = redis_server.url.replace("redis://", "redis://hicache-old:old-secret-1@")
+    cfg = storage_config(StorageBackendName.REDIS, redis_url=url)
+    backend = build_backend(dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, ttl_s=100)))
+    try:
+        src, dst = Pool(3, seed=1), Pool(3, seed=None)
+        ks = keys(3)
+        assert backend.put_from(ks, src.slots()) == [PutStatus.STORED] * 3
+        for key in ks:
+            admin.expire(key, 5)
+        assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * 3
+        assert (dst.pages == src.pages).all() and backend._getex is False
+        assert all(admin.ttl(key) > 90 for key in ks)
+    finally:
+        backend.close()
+        admin.acl_deluser("hicache-old")
+        admin.close()
