@@ -278,6 +278,9 @@ class HybridCacheController(CacheService):
                 known -= in_tree
             beyond_l3 = self.l3 is not None and len(req.tokens) // self._pb * self._ps > known
             prev = self.tree.chain_prev(req.namespace, base) if beyond_l3 else b""
+            storage_base = m.path[-1] if m.path else None
+            storage_prev = (self.tree.chain_prev(req.namespace, storage_base)
+                            if beyond_l3 and in_tree else b"")
             lock_id = 0
             if m.lock is not None and wants_lock:
                 lock_id = self._engines.add_lock(
@@ -289,6 +292,12 @@ class HybridCacheController(CacheService):
             try:
                 beyond = chain_hashes(prev, req.tokens[known * 4 :], self._pb)
                 run = self.prefetcher.l3_run(req.namespace, beyond)
+                if in_tree and run * self._ps < in_tree:
+                    # L3 cannot serve the tree's own storage part from the host boundary
+                    # (it lost FULL pages L2 holds): continue from the storage boundary.
+                    base, known, in_tree = storage_base, known + in_tree, 0
+                    beyond = chain_hashes(storage_prev, req.tokens[known * 4 :], self._pb)
+                    run = self.prefetcher.l3_run(req.namespace, beyond)
                 fetch = run
                 budget = self.prefetcher.budget_left()
                 if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:

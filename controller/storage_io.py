@@ -99,7 +99,7 @@ class L3Store:
             if status is not GetStatus.HIT:  # the first page with a member missing ends the run
                 page = i // per
                 self.cache.forget(keys[page * per : (page + 1) * per])
-                if status is GetStatus.CORRUPT:
+                if status is GetStatus.CORRUPT and self._still_stored(keys[i]):
                     # Possibly left in the store (another geometry or format version is not
                     # ours to remove): the store would call it present at every lookup, and
                     # every match would promise and re-read it. Known absent for a while (a
@@ -107,6 +107,14 @@ class L3Store:
                     self.cache.add_absent(keys[page * per], CORRUPT_ABSENT_S)
                 return page
         return len(hashes)
+
+    def _still_stored(self, key: str) -> bool:
+        """Whether a key read back corrupt is still in the store (not ours to remove);
+        one it removed needs no mark (a good copy another node writes is seen at once)."""
+        try:
+            return self.backend.exists_prefix([key]) == 1
+        except BackendUnavailable:
+            return True
 
     def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
               host_ids: np.ndarray) -> int:
@@ -116,12 +124,17 @@ class L3Store:
                                         members, host_ids)
         per = len(members)
         present: list[str] = []
+        found: set[str] = set()  # answered PRESENT: something is there, maybe not ours
         for page in range(len(hashes)):
-            if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in statuses[page * per : (page + 1) * per]):
-                present += keys[page * per : (page + 1) * per]
+            page_keys = keys[page * per : (page + 1) * per]
+            page_statuses = statuses[page * per : (page + 1) * per]
+            if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in page_statuses):
+                present += page_keys
+                found.update(k for k, s in zip(page_keys, page_statuses, strict=True)
+                             if s is PutStatus.PRESENT)
         # One call for the batch: the cache then keeps the batch's first page most recent
         # (a path written node by node keeps that order within each node only).
-        self.cache.add_present(present)
+        self.cache.add_present(present, found)
         return len(present) // per
 
     def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],

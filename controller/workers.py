@@ -117,8 +117,16 @@ class ExistenceCache:
             expiry = self._absent.get(keys[n])
             return n, expiry is not None and expiry > now
 
-    def add_present(self, keys: list[str]) -> None:
+    def add_present(self, keys: list[str], keep_marked: set[str] | frozenset[str] = frozenset()) -> None:
+        """`keys` known present. Those of `keep_marked` (a put found something there
+        already: possibly the unreadable object a mark is about) stay absent while an
+        absent mark on them lasts."""
         with self._mu:
+            if keep_marked and self._absent:
+                now = self._clock()
+                held = {k for k in keep_marked if self._absent.get(k, 0.0) > now}
+                if held:
+                    keys = [k for k in keys if k not in held]
             present = self._present
             # Set operations and one update run in C: a cold 32K-token prompt adds 512
             # keys per member, which one Python step per key made cost ~0.4 ms.

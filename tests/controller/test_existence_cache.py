@@ -155,3 +155,66 @@ def test_a_page_read_back_corrupt_is_not_promised_again_at_every_match(make) -> 
     # The first match promised all 4 pages and brought pages 0-1; then page 2 is absent.
     assert promised == [4 * ps, 0, 0] and reads[1:] == [0, 0], (promised, reads)
     assert ctl.l3.backend.exists_prefix([key]) == 1  # left in the store: not ours to judge
+
+
+def test_a_put_that_finds_the_foreign_object_there_keeps_the_page_absent(make) -> None:  # type: ignore[no-untyped-def]
+    """The engine recomputes the page and write-through backs it up: the put answers
+    PRESENT (the foreign object is still there). That is no good copy: the page stays
+    known absent, not promised and re-read at the next match."""
+    from engine_sim import Engine, evict_all, seq, wait_prefetch
+
+    from hicache.controller.base import MatchRequest
+    from hicache.types import ComponentKind, Tier
+
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    eng.request_then_only_in_l3(tokens)
+    key = ctl.l3.keys("", [eng.hashes(tokens)[2]], ctl.cfg.model.family(ComponentKind.FULL))[0]
+    with open(ctl.l3.backend.path_of(key), "r+b") as f:  # a newer header format version
+        f.seek(4)
+        f.write((2).to_bytes(2, "little"))
+    ps = ctl.cfg.model.page_size
+    m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    assert m.prefetch_id and m.storage_tokens == 4 * ps
+    wait_prefetch(ctl, m.prefetch_id)
+    ctl.release("e1", m.lock_id, None)
+    eng.request(tokens)  # recomputed; its backup of page 2 answers PRESENT
+    assert ctl.flush(10) >= 0 and ctl.transfers.drain(10)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    before = ctl.l3.backend.stats().gets
+    again = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    if again.prefetch_id:
+        wait_prefetch(ctl, again.prefetch_id)
+    ctl.release("e1", again.lock_id, None)
+    assert again.storage_tokens == 2 * ps and ctl.l3.backend.stats().gets - before == 2
+
+
+def test_a_corrupt_object_the_read_removed_is_not_marked_absent(make) -> None:  # type: ignore[no-untyped-def]
+    """Ours and corrupt: removed at the read, so the store answers absent by itself. A mark
+    would only hide the good copy another node writes meanwhile (shared L3)."""
+    from engine_sim import Engine, evict_all, seq, wait_prefetch
+
+    from hicache.controller.base import MatchRequest
+    from hicache.types import ComponentKind, Tier
+
+    through = {"write__l1_to_l2": "write_through", "write__l2_to_l3": "write_through"}
+    a, b = make(**through), make(**through)  # two nodes, one L3 directory
+    ea, eb = Engine(a), Engine(b)
+    tokens = seq(4)
+    ea.request_then_only_in_l3(tokens)
+    key = a.l3.keys("", [ea.hashes(tokens)[2]], a.cfg.model.family(ComponentKind.FULL))[0]
+    with open(a.l3.backend.path_of(key), "r+b") as f:  # a flipped payload byte
+        f.seek(-1, 2)
+        byte = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    m = a.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+    wait_prefetch(a, m.prefetch_id)
+    a.release("e1", m.lock_id, None)
+    assert a.l3.backend.stats().corrupt_removed == 1
+    eb.request(tokens)  # node B writes a good copy
+    assert b.flush(10) >= 0 and b.transfers.drain(10)
+    evict_all(a, Tier.DEVICE, Tier.HOST)
+    again = a.match("e1", MatchRequest("", tokens))
+    assert again.host_tokens + again.storage_tokens == 4 * a.cfg.model.page_size

@@ -109,3 +109,33 @@ def test_a_stopped_hybrid_prefetch_reports_only_what_is_reusable(
     again = ctl.match("e1", MatchRequest("", tokens))
     assert info.state is PrefetchState.CANCELLED and ready == info.tokens_ready == 0
     assert again.device_tokens + again.host_tokens == 0
+
+
+@pytest.mark.parametrize("cache", ["fresh", "stale"])
+def test_l3_pages_beyond_the_tree_are_fetched_when_l3_lost_the_trees_own_part(
+    make, cache: str
+) -> None:
+    """The tree's own storage part is asked from the host boundary; when L3 no longer holds
+    that part's FULL pages (this node serves them from L2 and never reads them, so an
+    aging L3 drops them first), the lookup goes on from the storage boundary as before,
+    and the L3 pages past the tree come back. With a stale existence cache the first
+    prefetch fails at the lost page (and forgets it); the next request gets them."""
+    import os
+
+    ctl = make(hybrid=True, **THROUGH)
+    eng = Engine(ctl)
+    eng.request(seq(12))  # L3: pages 0-11, checkpoint at 12
+    assert ctl.flush(10) >= 0
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    _checkpoint_only_in_l3(ctl, eng, seq(8))  # tree: pages 0-7 in L2, checkpoint at 8 in L3
+    for key in ctl.l3.keys("", eng.hashes(seq(12))[:1], ctl.cfg.model.family(FULL)):
+        os.unlink(ctl.l3.backend.path_of(key))  # L3 lost FULL page 0
+    if cache == "fresh":
+        ctl.l3.cache = type(ctl.l3.cache)()
+    for _attempt in range(1 if cache == "fresh" else 2):
+        m = ctl.match("e1", MatchRequest("", seq(12), lock=True, prefetch=True))
+        if m.prefetch_id:
+            wait_prefetch(ctl, m.prefetch_id)
+        ctl.release("e1", m.lock_id, None)
+    after = ctl.match("e1", MatchRequest("", seq(12)))
+    assert after.device_tokens + after.host_tokens == 48
