@@ -21,8 +21,9 @@ check, retried the same way, when the connection failed last time); an UNAVAILAB
 raised.
 
 With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
-pools' device (`sync=False` skips it): the daemon copies and reuses those pages in its own
-process, where nothing waits for this process's GPU streams.
+pools' device (`sync=False` skips it, `sync=event` waits for that CUDA event only): the
+daemon copies and reuses those pages in its own process, where nothing waits for this
+process's GPU streams. Only the process that wrote the KV can give that guarantee.
 
 When the daemon forgets this engine (it restarted, or the lease lapsed), the heartbeat
 sees it: `detached` says why, `on_detached` is called once, and heartbeats stop until
@@ -64,10 +65,14 @@ from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service import ENGINE_HEADER
+from hicache.tiers.base import PoolDescriptor, PoolKind
 from hicache.tiers.storage.base import BackendHealth
 
 if TYPE_CHECKING:  # torch costs seconds to import; the probe path never maps pools
     import torch
+
+    # What Insert and Release wait for first: the device (True), nothing, or one event.
+    Sync = bool | torch.cuda.Event
 
 log = logging.getLogger("hicache.client")
 
@@ -166,7 +171,7 @@ class Client:
         self._tp_rank = 0
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
-        # CUDA devices of the mapped L1 pools: synchronized before Insert and Release.
+        # This process's CUDA devices of the L1 pools: synchronized before Insert/Release.
         self._cuda_devices: tuple[torch.device, ...] = ()
 
     # ------------------------------------------------------------------ plumbing
@@ -259,9 +264,7 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools)
-            self._cuda_devices = tuple(
-                {rows[0].device for rows in pools.values() if rows and rows[0].is_cuda}
-            )
+        self._cuda_devices = _cuda_devices(info.pools)  # (also when the engine maps them)
         with self._heartbeat_mu:
             self._attaches += 1
             self.detached = None
@@ -350,25 +353,24 @@ class Client:
         request_id: str = "",
         mamba_checkpoint: bool = False,
         keep_lock: bool = False,
-        sync: bool = True,
+        sync: Sync = True,
     ) -> InsertOutcome:
         """Commit the prompt's KV. The daemon copies the new pages (write-through) as soon
         as it gets them, in its own process, where nothing waits for this process's GPU
         streams: with CUDA pools, `sync` (default) first waits for all work queued on
-        their device here. Pass False only when the KV writes are known complete (e.g.
-        the engine synchronized after its forward pass)."""
-        if sync:
-            self.sync_device()
+        their device here; a `torch.cuda.Event` recorded after the KV writes waits for
+        those alone. Pass False only when the writes are known complete (e.g. the engine
+        synchronized after its forward pass)."""
+        self._sync(sync)
         req = _insert_request(tokens, namespace, lock_id=lock_id, allocation_id=allocation_id,
                               session_id=session_id, request_id=request_id,
                               mamba_checkpoint=mamba_checkpoint, keep_lock=keep_lock)
         return convert.insert_from_pb(self._call(self._stub.Insert, req))
 
     def release(self, *, lock_id: int | None = None, allocation_id: int | None = None,
-                sync: bool = True) -> None:
+                sync: Sync = True) -> None:
         """`sync`: see `insert` (the daemon may hand released pages to another request)."""
-        if sync:
-            self.sync_device()
+        self._sync(sync)
         self._call(self._stub.Release, release_op(lock_id=lock_id, allocation_id=allocation_id).release,
                    repeatable=True, released_ok=True)
 
@@ -397,13 +399,13 @@ class Client:
                        repeatable=True, released_ok=True)
         return int(r.released_refs) if r is not None else 0
 
-    def batch(self, ops: Sequence[pb.BatchOp], sync: bool = True) -> list[Any]:
+    def batch(self, ops: Sequence[pb.BatchOp], sync: Sync = True) -> list[Any]:
         """Run ops (built with `match_op`, `insert_op`, ...) in one call. Each result is
         the op's typed result, or the `HicacheError` it failed with (not raised). Sent
         once unless every op is safe to repeat (see the module's notes on retries).
         `sync`: as for `insert`, when an op is an Insert or a Release."""
-        if sync and any(op.WhichOneof("op") in ("insert", "release") for op in ops):
-            self.sync_device()
+        if any(op.WhichOneof("op") in ("insert", "release") for op in ops):
+            self._sync(sync)
         repeatable = all(op.WhichOneof("op") in _REPEATABLE_OPS for op in ops)
         r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
         out: list[Any] = []
@@ -414,6 +416,12 @@ class Client:
             else:
                 out.append(_RESULT_READERS[kind](getattr(result, kind)))
         return out
+
+    def _sync(self, sync: Sync) -> None:
+        if sync is True:
+            self.sync_device()
+        elif sync is not False:
+            sync.synchronize()  # a CUDA event recorded after the KV writes
 
     def sync_device(self) -> None:
         """Wait for all work queued on the mapped CUDA pools' devices in this process (no-op
@@ -485,6 +493,27 @@ class Client:
         r = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service),
                        repeatable=True)
         return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _cuda_devices(pools: Sequence[PoolDescriptor]) -> tuple[torch.device, ...]:
+    """This process's devices of the CUDA pools among `pools` (none where it has no CUDA,
+    or cannot see their GPU: it cannot have written them)."""
+    if not any(d.kind is PoolKind.CUDA_IPC for d in pools):
+        return ()
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    from hicache.tiers.cuda import local_ordinal
+
+    devices = set()
+    for d in pools:
+        if d.kind is PoolKind.CUDA_IPC:
+            try:
+                devices.add(torch.device("cuda", local_ordinal(d)))
+            except FailedPrecondition:
+                continue
+    return tuple(devices)
 
 
 # --------------------------------------------------------------------------- Batch ops

@@ -99,7 +99,6 @@ class CudaDevicePools(MemberTable, DevicePools):
         self._device = torch.cuda.current_device() if device is None else device
         self._uuid = device_uuid(self._device)
         self._tensors: dict[str, torch.Tensor] = {}
-        self._descriptors: tuple[PoolDescriptor, ...] | None = None
         for spec in self.members:
             n = self.num_pages(spec.component)
             self._tensors[spec.name] = torch.empty(
@@ -107,6 +106,7 @@ class CudaDevicePools(MemberTable, DevicePools):
                 dtype=torch.uint8,
                 device=f"cuda:{self._device}",
             )
+        self._descriptors = self._export()
 
     @classmethod
     def create(cls, cfg: HicacheConfig, device: int | None = None) -> CudaDevicePools:
@@ -115,7 +115,10 @@ class CudaDevicePools(MemberTable, DevicePools):
             # others' head shards; per-rank pools on each rank's GPU are not built yet.
             raise FailedPrecondition(
                 f"model.tp_size={cfg.model.tp_size}: CUDA L1 pools serve one rank on one "
-                "GPU; run one daemon (instance) per tensor-parallel rank, each with tp_size 1"
+                "GPU; run one daemon (instance) per tensor-parallel rank, each with tp_size 1, "
+                "CUDA_VISIBLE_DEVICES set to that rank's GPU, and a model.id naming the rank "
+                "(e.g. '<model>@tp1of8': ranks hold different shards, which must not share "
+                "L3 keys)"
             )
         members = cfg.model.members
         return cls(members, {m.component: cfg.pages_for(m.component) for m in members}, device)
@@ -133,11 +136,9 @@ class CudaDevicePools(MemberTable, DevicePools):
         return self._tensors[member][layer]
 
     def descriptors(self) -> tuple[PoolDescriptor, ...]:
-        """Exported once and kept: each export makes torch a new sharing record (reference
-        counter slot, event) that only a consumer of that very export frees, so exporting
-        per Attach would pile them up for engines that never map or die."""
-        if self._descriptors is None:
-            self._descriptors = self._export()
+        """Exported once, when the pools were made: each export makes torch a new sharing
+        record (reference counter slot, event) that only a consumer of that very export
+        frees, so exporting per Attach (or twice in a race) would pile them up."""
         return self._descriptors
 
     def _export(self) -> tuple[PoolDescriptor, ...]:
@@ -170,7 +171,7 @@ class CudaDevicePools(MemberTable, DevicePools):
         return tuple(out)
 
     def close(self) -> None:
-        self._descriptors = None
+        self._descriptors = ()
         self._tensors.clear()
 
 
@@ -240,6 +241,7 @@ class CudaCopyEngine(CopyEngine):
         # the ones of the device the rows live on.
         ordinal = device.device if isinstance(device, CudaDevicePools) else torch.cuda.current_device()
         self._stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
+        self._cow_stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="hicache-cuda-copy")
 
     def device_to_host(
@@ -265,14 +267,20 @@ class CudaCopyEngine(CopyEngine):
     def copy_within_device(self, family: ComponentKind, src: int, dst: int) -> None:
         """Copy L1 slot `src` of every member of `family` to slot `dst` (MAMBA
         copy-on-write), complete when this returns: the engine uses `dst` right after the
-        RPC, and nothing in its process waits on this daemon's stream."""
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        RPC, and nothing in its process waits on this daemon's streams.
+
+        On a stream of its own: the caller holds the controller's mutex, and waiting for
+        the copy stream would wait for every load and flush queued there. Nothing queued
+        there touches `src` (a checkpoint in the tree: its copy completed before it landed)
+        or `dst` (just allocated)."""
+        main = torch.cuda.current_stream(self._cow_stream.device)
+        self._cow_stream.wait_stream(main)
+        with torch.cuda.stream(self._cow_stream):
             for spec in self._device.family(family):
                 for layer in range(spec.layers):
                     rows = self._device.layer(spec.name, layer)
                     rows[dst].copy_(rows[src], non_blocking=True)
-        self._stream.synchronize()
+        self._cow_stream.synchronize()
 
     def close(self) -> None:
         self._stream.synchronize()
@@ -305,11 +313,14 @@ class CudaCopyEngine(CopyEngine):
         # (an earlier copy's landing, a copy-on-write): NOT after the engine's kernels,
         # which run in another process (the engine synchronizes before Insert/Release).
         main = torch.cuda.current_stream(self._stream.device)
+        # Uploaded on the current stream (a blocking upload on the copy stream would wait
+        # for every copy other threads queued there), kept from reuse until the copy
+        # stream is done with it.
+        gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
+        gpu_ids.record_stream(self._stream)
         self._stream.wait_stream(main)
         try:
             with torch.cuda.stream(self._stream):
-                # (Allocated on the copy stream, so its memory is reused in its order.)
-                gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
                 for layer in range(layers):
                     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
                     for spec in members:

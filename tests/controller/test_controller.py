@@ -695,3 +695,21 @@ def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(
     assert ctl.prefetch_status(c.prefetch_id).state is PrefetchState.DONE
     for m in (a, b, c):
         ctl.release("e1", m.lock_id, None)
+
+
+def test_a_reused_checkpoint_is_copied_by_the_copy_engine_before_the_match_returns(make) -> None:
+    """MAMBA copy-on-write goes through the copy engine (on CUDA: its own stream, complete
+    on return); the engine's new slot holds the checkpoint's bytes when it gets it."""
+    ctl = make(hybrid=True)
+    eng = Engine(ctl)
+    eng.request(seq(8))  # checkpoint at page 8
+    copies: list[tuple[object, int, int]] = []
+    real = ctl.transfers.copier.copy_within_device
+
+    def spy(kind, src, dst):  # type: ignore[no-untyped-def]
+        copies.append((kind, src, dst))
+        real(kind, src, dst)
+
+    ctl.transfers.copier.copy_within_device = spy
+    eng.request(seq(12))  # resumes from the checkpoint: a copy of it in a new slot
+    assert len(copies) == 1 and copies[0][0] is ComponentKind.MAMBA and copies[0][1] != copies[0][2]

@@ -119,8 +119,46 @@ def test_the_client_synchronizes_its_cuda_pools_device_before_insert_and_release
         client.release(lock_id=1, sync=False)
         client.batch([match_op(tokens(1))])  # nothing the daemon would copy or reuse
         assert synced == [gpu] * 4 and len(sent) == 8
+
+        class Event:  # (a torch.cuda.Event recorded after the KV writes)
+            def synchronize(self) -> None:
+                synced.append("event")
+
+        client.insert(tokens(1), lock_id=1, sync=Event())  # type: ignore[arg-type]
+        assert synced == [gpu] * 4 + ["event"]
     finally:
         client.close()
+
+
+def test_the_client_knows_its_cuda_devices_whoever_maps_the_pools(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attach without mapping (the engine maps the descriptors itself): the devices to
+    synchronize still come from the descriptors, as this process numbers them."""
+    import torch
+
+    import hicache.tiers.cuda as cuda_mod
+    from hicache.client import _cuda_devices
+
+    def pool(kind: PoolKind, uuid: str) -> PoolDescriptor:
+        return PoolDescriptor(member="full", kind=kind, handle=b"h", device=0, num_pages=1,
+                              layer_stride_bytes=1, page_stride_bytes=1, layers=1,
+                              device_uuid=uuid)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = {"GPU-a": 1, "GPU-b": 1}
+
+    def ordinal(desc: PoolDescriptor) -> int:
+        if desc.device_uuid not in seen:
+            raise errors.FailedPrecondition("not visible")
+        return seen[desc.device_uuid]
+
+    monkeypatch.setattr(cuda_mod, "local_ordinal", ordinal)
+    assert _cuda_devices([pool(PoolKind.SHM, "")]) == ()
+    assert _cuda_devices([pool(PoolKind.CUDA_IPC, "GPU-a"), pool(PoolKind.CUDA_IPC, "GPU-b"),
+                          pool(PoolKind.CUDA_IPC, "GPU-z")]) == (torch.device("cuda", 1),)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _cuda_devices([pool(PoolKind.CUDA_IPC, "GPU-a")]) == ()
 
 
 def test_stats_map_core_counter_aliases_to_the_wire_and_keep_extras_for_metrics() -> None:

@@ -102,8 +102,10 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
 
     proxy.cuda = cuda  # type: ignore[attr-defined]
     proxy.empty = empty  # type: ignore[attr-defined]
-    proxy.device = lambda *a, **k: torch.device("cpu")  # type: ignore[attr-defined]
+    proxy.device = lambda *a, **k: a  # type: ignore[attr-defined]  # (what the stream was made on)
     monkeypatch.setattr(cuda_mod, "torch", proxy)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: cuda.log.append(("record_stream", stream)))
     real_copy_rows = cuda_mod.copy_rows
 
     def logged_copy_rows(*args: Any) -> None:
@@ -259,3 +261,76 @@ def test_cuda_pools_refuse_more_than_one_tensor_parallel_rank(fake: FakeCuda) ->
     cfg = build_config({**TINY, "model": {**TINY["model"], "tp_size": 2}})
     with pytest.raises(FailedPrecondition, match="tp_size=2"):
         CudaDevicePools.create(cfg)
+
+
+def test_the_copy_streams_are_made_on_the_pools_gpu_not_the_current_one(
+    fake: FakeCuda, make_host: Callable[..., HostBufferPools],
+) -> None:
+    pools = CudaDevicePools.__new__(CudaDevicePools)  # (no GPU memory here: only its ordinal)
+    pools._device = 1
+    engine = CudaCopyEngine(pools, make_host(tiny_config()))
+    try:
+        assert [stream.made_on for stream in fake.streams[1:]] == [("cuda", 1), ("cuda", 1)]
+    finally:
+        engine.close()
+
+
+def test_a_run_that_would_span_two_pinned_registrations_is_staged(
+    fake: FakeCuda, make_device: Callable[..., ShmDevicePools],
+    make_host: Callable[..., HostBufferPools], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A contiguous host run normally moves straight between the pool and the GPU; across
+    a registration boundary the driver refuses it, so it goes through a staging buffer."""
+    dev, host = _pools(make_device, make_host, "layer_first")
+    engine = CudaCopyEngine(dev, host)
+    rows = host.layer("full", 0)
+    split = rows[2].data_ptr()  # a registration ends inside the run [0, 4)
+    monkeypatch.setattr(host, "pinned_ranges", lambda: ((rows.data_ptr(), split - rows.data_ptr()),
+                                                        (split, 1 << 40)))
+    try:
+        for m in dev.family(FULL):
+            for layer in range(m.layers):
+                dev.layer(m.name, layer)[:4] = torch.arange(4, dtype=torch.uint8)[:, None] + 1
+        engine.device_to_host(FULL, np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64))
+        assert ("pinned",) in fake.log  # staged, not a direct copy
+        assert (host.layer("full", 0)[:4, 0] == torch.tensor([1, 2, 3, 4], dtype=torch.uint8)).all()
+        fake.log.clear()
+        engine.device_to_host(FULL, np.arange(4, dtype=np.int64), np.arange(4, 8, dtype=np.int64))
+        assert ("pinned",) not in fake.log  # inside one registration: direct
+    finally:
+        engine.close()
+
+
+def test_a_staged_backup_lands_each_layer_before_reporting_it(
+    fake: FakeCuda, make_device: Callable[..., ShmDevicePools],
+    make_host: Callable[..., HostBufferPools],
+) -> None:
+    dev, host = _pools(make_device, make_host, "page_first")
+    engine = CudaCopyEngine(dev, host)
+    try:
+        engine.device_to_host(FULL, np.array([5, 1, 3], dtype=np.int64),
+                              np.array([7, 0, 4], dtype=np.int64),
+                              on_layer=lambda layer: fake.log.append(("on_layer", layer)))
+    finally:
+        engine.close()
+    steps = [e[0] for e in fake.log if e[0] in ("cpu_rows", "on_layer")]
+    # Layers 0 and 1: both members' rows land, then the layer is reported; layer 2 is the
+    # sidecar's alone.
+    assert steps == ["cpu_rows", "cpu_rows", "on_layer"] * 2 + ["cpu_rows", "on_layer"]
+
+
+def test_an_engine_opens_the_pool_on_its_own_ordinal_of_the_daemons_gpu(
+    fake: FakeCuda, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[object] = []
+
+    def rebuild(*args: object) -> torch.Tensor:
+        opened.append(args[6])  # torch's rebuild_cuda_tensor: the device argument
+        return torch.zeros(8, dtype=torch.uint8)
+
+    monkeypatch.setattr(cuda_mod.reductions, "rebuild_cuda_tensor", rebuild)
+    desc = PoolDescriptor(member="full", kind=PoolKind.CUDA_IPC, handle=b"h", device=0,
+                          num_pages=2, layer_stride_bytes=4, page_stride_bytes=2, layers=2,
+                          device_uuid="GPU-bbbb")
+    layers = cuda_mod.open_ipc_pool(desc)
+    assert opened == [1] and [tuple(t.shape) for t in layers] == [(2, 2), (2, 2)]
