@@ -23,7 +23,9 @@ raised.
 With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
 pools' device (`sync=False` skips it, `sync=event` waits for that CUDA event only): the
 daemon copies and reuses those pages in its own process, where nothing waits for this
-process's GPU streams. Only the process that wrote the KV can give that guarantee.
+process's GPU streams. Only the process that wrote the KV can give that guarantee: a
+Client attached with `map_pools=False` waits for nothing (its process maps and writes no
+pools); a process that maps the descriptors itself synchronizes before Insert/Release.
 
 When the daemon forgets this engine (it restarted, or the lease lapsed), the heartbeat
 sees it: `detached` says why, `on_detached` is called once, and heartbeats stop until
@@ -264,7 +266,9 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools)
-        self._cuda_devices = _cuda_devices(info.pools)  # (also when the engine maps them)
+        # Only a process that maps (and writes) the pools waits for them: one that does not
+        # (probes, benchmarks) never starts CUDA for it.
+        self._cuda_devices = _cuda_devices(info.pools) if map_pools else ()
         with self._heartbeat_mu:
             self._attaches += 1
             self.detached = None
@@ -418,13 +422,13 @@ class Client:
         return out
 
     def _sync(self, sync: Sync) -> None:
-        if sync is True:
-            self.sync_device()
-        elif sync is not False:
+        if hasattr(sync, "synchronize"):
             sync.synchronize()  # a CUDA event recorded after the KV writes
+        elif sync:
+            self.sync_device()
 
     def sync_device(self) -> None:
-        """Wait for all work queued on the mapped CUDA pools' devices in this process (no-op
+        """Wait for all work queued on the CUDA pools' devices in this process (no-op
         for shared-memory pools, whose writes are complete when they return)."""
         if self._cuda_devices:
             import torch

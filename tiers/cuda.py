@@ -309,9 +309,10 @@ class CudaCopyEngine(CopyEngine):
         finish: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         reported = 0
         moved = 0
-        # Orders this copy after L1 work the daemon itself queued on its current stream
-        # (an earlier copy's landing, a copy-on-write): NOT after the engine's kernels,
-        # which run in another process (the engine synchronizes before Insert/Release).
+        # Orders this copy after L1 work this thread queued on its current stream: NOT
+        # after the engine's kernels, which run in another process (the engine
+        # synchronizes before Insert/Release). Nothing waits the other way round: when
+        # this returns, every copy it queued has completed (its events were waited for).
         main = torch.cuda.current_stream(self._stream.device)
         # Uploaded on the current stream (a blocking upload on the copy stream would wait
         # for every copy other threads queued there), kept from reuse until the copy
@@ -363,7 +364,8 @@ class CudaCopyEngine(CopyEngine):
             # Copies already queued may still write into pages the caller frees now.
             self._stream.synchronize()
             raise
-        main.wait_stream(self._stream)
+        # (No `main.wait_stream(self._stream)`: it would make later work on this thread's
+        # stream, a copy-on-write or the next upload, wait for other threads' copies.)
         return CopyResult(pages=n, bytes=moved, layers=layers)
 
     def _report(

@@ -130,11 +130,11 @@ def test_the_client_synchronizes_its_cuda_pools_device_before_insert_and_release
         client.close()
 
 
-def test_the_client_knows_its_cuda_devices_whoever_maps_the_pools(
+def test_the_devices_to_synchronize_are_the_pools_gpus_as_this_process_numbers_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Attach without mapping (the engine maps the descriptors itself): the devices to
-    synchronize still come from the descriptors, as this process numbers them."""
+    """Found by UUID among this process's GPUs; a GPU it cannot see, or no CUDA at all,
+    adds none (it cannot have written those pools)."""
     import torch
 
     import hicache.tiers.cuda as cuda_mod

@@ -44,11 +44,11 @@ class FakeCuda:
                 self.device = torch.device("cpu")
                 fake.streams.append(self)
 
-            def wait_stream(self, other: Any) -> None:
-                fake.log.append(("wait_stream",))
+            def wait_stream(self, other: Any) -> None:  # (streams by index: 0 is the current)
+                fake.log.append(("wait_stream", fake.streams.index(self), fake.streams.index(other)))
 
             def synchronize(self) -> None:
-                fake.log.append(("stream.synchronize",))
+                fake.log.append(("stream.synchronize", fake.streams.index(self)))
 
         class Event:
             def __init__(self, blocking: bool = False, **_kw: Any) -> None:
@@ -66,6 +66,7 @@ class FakeCuda:
                 fake.log.append(("event.synchronize", self.layer))
 
         self._main = Stream()
+        self._current = self._main
         self.Stream, self.Event = Stream, Event
 
     def is_available(self) -> bool:
@@ -80,11 +81,16 @@ class FakeCuda:
     def get_device_properties(self, ordinal: int) -> Any:
         return types.SimpleNamespace(uuid=self.uuids[ordinal])
 
-    def stream(self, _s: Any) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def stream(self, s: Any) -> Iterator[None]:  # (like torch: `s` is current inside)
+        before, self._current = self._current, s
+        try:
+            yield
+        finally:
+            self._current = before
 
     def current_stream(self, device: Any = None) -> Any:
-        return self._main
+        return self._current
 
 
 @pytest.fixture
@@ -209,9 +215,28 @@ def test_an_error_mid_copy_waits_for_what_was_queued_before_raising(
         with pytest.raises(RuntimeError, match="went away"):
             engine.host_to_device(FULL, np.array([0, 1], dtype=np.int64),
                                   np.array([2, 3], dtype=np.int64), on_layer=on_layer)
-        assert fake.log[-1] == ("stream.synchronize",)
+        assert fake.log[-1] == ("stream.synchronize", 1)  # the copy stream
     finally:
         engine.close()
+
+
+def test_a_finished_copy_leaves_nothing_on_the_current_stream_waiting_for_other_copies(
+    fake: FakeCuda, make_device: Callable[..., ShmDevicePools],
+    make_host: Callable[..., HostBufferPools],
+) -> None:
+    """A copy returns complete. Making the thread's stream wait for the copy stream would
+    make its next work (a copy-on-write under the controller's mutex, the next page-id
+    upload) wait for copies other threads queued there meanwhile."""
+    dev, host = _pools(make_device, make_host, "layer_first")
+    engine = CudaCopyEngine(dev, host)
+    try:
+        engine.host_to_device(FULL, np.array([0, 1], dtype=np.int64), np.array([2, 3], dtype=np.int64))
+        engine.device_to_host(FULL, np.array([2, 3], dtype=np.int64), np.array([5, 6], dtype=np.int64))
+    finally:
+        engine.close()
+    waits = [e for e in fake.log if e[0] == "wait_stream"]
+    assert waits == [("wait_stream", 1, 0)] * 2  # the copy stream after this thread's, only
+    assert ("record_stream", fake.streams[1]) in fake.log  # page ids kept for the copy stream
 
 
 def test_copy_on_write_is_complete_when_it_returns(
@@ -224,8 +249,11 @@ def test_copy_on_write_is_complete_when_it_returns(
         for m in dev.family(MAMBA):
             for layer in range(m.layers):
                 dev.layer(m.name, layer)[1] = 7 + layer
+        fake.log.clear()
         engine.copy_within_device(MAMBA, 1, 3)
-        assert fake.log[-1] == ("stream.synchronize",)
+        # On its own stream (2), after this thread's (0), never waiting for the copy
+        # stream (1), where loads and flushes queue.
+        assert fake.log == [("wait_stream", 2, 0), ("stream.synchronize", 2)]
         for m in dev.family(MAMBA):
             for layer in range(m.layers):
                 assert (dev.layer(m.name, layer)[3] == 7 + layer).all()
