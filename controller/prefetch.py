@@ -40,6 +40,10 @@ log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BATCH_PAGES = 256  # pages per L3 read: fewer, larger calls are what the backends are fast at
 MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L3 lookup
+# Longest a prefetch waits for writes in flight: for the L2 pages they hold (when L2 had
+# no other room) and, before reading pages, for those pages' writes to land.
+DEFERRED_WAIT_S = 5.0
+WRITE_WAIT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -65,6 +69,9 @@ class PrefetchOp:
     # (L1 holds a prefix), so they are freed instead (mutex).
     l1_broken: bool = False
     owner: str = ""  # the engine whose match started it (the one that may ask about it)
+    # No host pages yet: L2 had no room at the start, only pages that writes in flight
+    # held; the worker reserves them first (`Prefetcher._reserve_deferred`).
+    deferred: bool = False
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -176,19 +183,15 @@ class Prefetcher:
         if n <= 0:
             self.ctl.counters["prefetch_refused_budget"] += 1
             return 0
-        host: dict[ComponentKind, np.ndarray] = {}
         # Pinned before reserving: the reservation evicts L2, and `tail` may lie past the
         # caller's lock (a hybrid boundary whose checkpoint or window only L3 holds).
         pin = self.tree.pin(tail) if tail is not None else None
-        try:
-            for kind in self.ctl._kinds:
-                # Never waiting for queued copies: the caller's MatchPrefix would wait with
-                # it (and the mutex would be free meanwhile). No room: no prefetch.
-                host[kind] = self.ctl.transfers.allocate_l2(kind, 1 if kind is MAMBA else n,
-                                                            wait=False)
-        except ResourceExhausted:
-            for kind, ids in host.items():
-                self.ctl.transfers.free_l2(kind, ids)
+        # Never waiting here for room: the caller's MatchPrefix would wait with it. When
+        # L2 is short only of pages that writes in flight hold (a store slower than the
+        # inserts), the worker reserves them once those landed (`_reserve_deferred`).
+        host = self._try_reserve(n)
+        # (The reservations of ops already queued come back before this one runs.)
+        if host is None and not (self.ctl.transfers.host_room_coming() or self.running):
             if pin is not None:
                 self.tree.unlock(pin)
             self.ctl.counters["prefetch_refused_room"] += 1
@@ -204,7 +207,7 @@ class Prefetcher:
             tokens=tokens[: (start_page + n) * ps * 4],
             start_page=start_page,
             hashes=[hashes[i * PAGE_HASH_BYTES : (i + 1) * PAGE_HASH_BYTES] for i in range(n)],
-            host=host,
+            host=host if host is not None else {},
             deadline=deadline,
             page_size=ps,
             to_l1=to_l1,
@@ -215,11 +218,52 @@ class Prefetcher:
         self.running += 1
         self._ops[op.op_id] = op
         self._forget_finished()
+        if host is None:
+            op.deferred = True
+            self.ctl.counters["prefetch_deferred_room"] += 1
         if not self.worker.submit(Job(f"prefetch-{op.op_id}", lambda: self._run(op),
                                       lambda e: self._finish(op, PrefetchState.FAILED))):
             self._finish_locked(op, PrefetchState.FAILED)
         self.ctl.counters["prefetches_started"] += 1
         return op.op_id
+
+    def _try_reserve(self, n: int) -> dict[ComponentKind, np.ndarray] | None:
+        """Caller holds the mutex. Host pages for `n` pages' families (MAMBA: one slot),
+        evicting L2 as needed but never waiting; None (and nothing held) without room."""
+        host: dict[ComponentKind, np.ndarray] = {}
+        try:
+            for kind in self.ctl._kinds:
+                host[kind] = self.ctl.transfers.allocate_l2(kind, 1 if kind is MAMBA else n,
+                                                            wait=False)
+        except ResourceExhausted:
+            for kind, ids in host.items():
+                self.ctl.transfers.free_l2(kind, ids)
+            return None
+        return host
+
+    def _reserve_deferred(self, op: PrefetchOp) -> bool:
+        """On the worker: reserve the host pages of an op that found no room at its start,
+        waiting (mutex released) while writes in flight hold L2 pages, at most
+        `DEFERRED_WAIT_S`, until its deadline, or until it is cancelled. False: gave up."""
+        transfers = self.ctl.transfers
+        give_up = time.monotonic() + DEFERRED_WAIT_S
+        if op.deadline is not None:
+            give_up = min(give_up, op.deadline)
+        with self.ctl._mu:
+            while True:
+                if op.cancelled:
+                    return False
+                host = self._try_reserve(len(op.hashes))
+                if host is not None:
+                    op.host = host
+                    op.deferred = False
+                    return True
+                left = give_up - time.monotonic()
+                # (Ops queued before this one have finished: the worker runs them in order.)
+                if left <= 0 or not transfers.host_room_coming():
+                    self.ctl.counters["prefetch_refused_room"] += 1
+                    return False
+                transfers.landed.wait(min(left, 0.05))
 
     def _run(self, op: PrefetchOp) -> None:
         l3 = self.ctl.l3
@@ -230,6 +274,9 @@ class Prefetcher:
         total = len(op.hashes)
         done = 0
         outcome = PrefetchState.DONE
+        if op.deferred and not self._reserve_deferred(op):
+            self._finish(op, PrefetchState.CANCELLED if op.cancelled else PrefetchState.FAILED)
+            return
         try:
             while done < total:
                 if op.cancelled:
@@ -248,7 +295,8 @@ class Prefetcher:
                         skip[:] = -1
                     if lo >= hi:
                         continue
-                    n = l3.read(op.namespace, op.hashes[lo:hi], members, op.host[kind][lo:hi])
+                    n = l3.read(op.namespace, op.hashes[lo:hi], members, op.host[kind][lo:hi],
+                                wait_s=self._wait_left(op))
                     if kind is FULL:
                         got = min(got, n)
                     elif n < hi - lo:
@@ -258,7 +306,8 @@ class Prefetcher:
                 last = done + got == total
                 if got and last and MAMBA in op.host:
                     mamba = cfg.model.family(MAMBA)
-                    if not l3.read(op.namespace, op.hashes[total - 1 : total], mamba, op.host[MAMBA]):
+                    if not l3.read(op.namespace, op.hashes[total - 1 : total], mamba, op.host[MAMBA],
+                                   wait_s=self._wait_left(op)):
                         got -= 1  # no checkpoint at the end: the boundary stops a page earlier
                         last = False
                 if got > 0:
@@ -276,6 +325,16 @@ class Prefetcher:
             if isinstance(e, BackendTimedOut) and e.pending:
                 self._hold_until_returned(op, e.pending)
         self._finish(op, outcome)
+
+    @staticmethod
+    def _wait_left(op: PrefetchOp) -> float:
+        """How long a read may wait for writes in flight of its pages (the lookup that
+        started the op counted them as present): `WRITE_WAIT_S`, or until the deadline."""
+        if op.cancelled:
+            return 0.0
+        if op.deadline is None:
+            return WRITE_WAIT_S
+        return max(0.0, min(WRITE_WAIT_S, op.deadline - time.monotonic()))
 
     def _hold_until_returned(self, op: PrefetchOp, pending: list[Any]) -> None:
         """A read given up on runs on and may still write into the op's host pages: they

@@ -5,6 +5,10 @@ at once and writes are refused (the caller counts a dropped backup), so a dead b
 costs the serving path nothing. A page is present only when the objects of EVERY member
 of its family are: a missing sidecar object makes the whole page a miss.
 
+Writes queued and not landed yet are known (`begin_write`/`end_write`): a lookup counts
+their pages as present, and a read of them first waits for them to land, so a page that L2
+let go of while its write was still queued is not lost to the requests in between.
+
 Every call that reaches the backend is timed by operation and outcome (`L3OpRecorder`);
 `stats()` reports those latencies with the bytes the backend moved.
 """
@@ -12,7 +16,9 @@ Every call that reaches the backend is timed by operation and outcome (`L3OpReco
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -31,6 +37,9 @@ from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, Stor
 log = logging.getLogger("hicache.controller.l3")
 # How long a page whose object read back corrupt counts as absent in L3 for this node.
 CORRUPT_ABSENT_S = 60.0
+# A page of a write in flight, as `begin_write` records it: (namespace, first member of
+# its family, page hash).
+Writing = tuple[str, str, bytes]
 _S = TypeVar("_S", GetStatus, PutStatus)
 
 
@@ -52,6 +61,9 @@ class L3Store:
         self.last_health: BackendHealth | None = None
         self.latency = L3OpRecorder(backend.name)
         self._warn = ThrottledLog(log)  # every failed call of a flapping store
+        # Pages of writes queued or running, counted (two writes may share a page).
+        self._writing: Counter[Writing] = Counter()
+        self._landed = threading.Condition()
 
     @property
     def name(self) -> str:
@@ -62,11 +74,70 @@ class L3Store:
         return storage_keys(namespace, self.model_id, hashes, [m.name for m in members],
                             self.tp_rank, self.tp_size)
 
+    def begin_write(self, namespace: str, hashes: Sequence[bytes],
+                    members: Sequence[MemberSpec]) -> list[Writing]:
+        """Record a write of these pages' families as in flight (when it is queued); pass
+        what this returns to `end_write` once it landed, failed or was dropped."""
+        pages = [(namespace, members[0].name, h) for h in hashes]
+        with self._landed:
+            self._writing.update(pages)
+        return pages
+
+    def end_write(self, pages: list[Writing]) -> None:
+        if not pages:
+            return
+        with self._landed:
+            self._writing.subtract(pages)
+            for page in pages:
+                if self._writing[page] <= 0:
+                    del self._writing[page]
+            self._landed.notify_all()
+
+    def _writing_run(self, namespace: str, hashes: Sequence[bytes], member: str, start: int) -> int:
+        """The first page at or after `start` that no write in flight covers."""
+        writing = self._writing
+        with self._landed:
+            while start < len(hashes) and (namespace, member, hashes[start]) in writing:
+                start += 1
+        return start
+
+    def wait_written(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
+                     timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until no write in flight covers these pages; False
+        when some still does."""
+        pages = [(namespace, members[0].name, h) for h in hashes]
+        deadline = time.monotonic() + timeout_s
+        with self._landed:
+            while any(p in self._writing for p in pages):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._landed.wait(left)
+        return True
+
     def present_run(self, namespace: str, hashes: Sequence[bytes],
                     members: Sequence[MemberSpec]) -> int:
-        """Leading pages whose whole family is in L3 (0 while the breaker is open)."""
+        """Leading pages whose whole family is in L3, or is being written there (0 while
+        the breaker is open)."""
         if not hashes or self.breaker.is_open:  # (nothing L3 serves now: no prefetch either)
             return 0
+        if not self._writing:  # (the common case: one pass over the keys)
+            return self._stored_run(namespace, hashes, members)
+        page, member = 0, members[0].name
+        while page < len(hashes):
+            page = self._writing_run(namespace, hashes, member, page)
+            if page == len(hashes):
+                break
+            # (a page the store lacks is then known absent: asking again costs nothing)
+            stored = self._stored_run(namespace, hashes[page:], members)
+            if stored == 0:
+                break
+            page += stored
+        return page
+
+    def _stored_run(self, namespace: str, hashes: Sequence[bytes],
+                    members: Sequence[MemberSpec]) -> int:
+        """Leading pages whose whole family the store holds (the existence cache first)."""
         keys = self.keys(namespace, hashes, members)
         known, stop = self.cache.known_run(keys)
         if stop or known == len(keys):
@@ -89,9 +160,12 @@ class L3Store:
         return self.present_run(namespace, [page_hash], members) == 1
 
     def read(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
-             host_ids: np.ndarray) -> int:
+             host_ids: np.ndarray, wait_s: float = 0.0) -> int:
         """Read pages (whole families) into the host slots `host_ids` (one per page);
-        returns how many leading pages arrived intact. Raises BackendUnavailable."""
+        returns how many leading pages arrived intact. With `wait_s`, writes in flight of
+        these pages land first (at most that long). Raises BackendUnavailable."""
+        if wait_s > 0 and self._writing:
+            self.wait_written(namespace, hashes, members, wait_s)
         keys, statuses = self._transfer(L3Op.GET, self.backend.get_into, namespace, hashes,
                                         members, host_ids)
         per = len(members)

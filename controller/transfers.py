@@ -31,6 +31,7 @@ from hicache.types import ComponentKind, Tier, WritePolicy
 if TYPE_CHECKING:
     from hicache.controller.controller import HybridCacheController
     from hicache.controller.engines import EngineRegistry
+    from hicache.controller.storage_io import Writing
     from hicache.tiers.base import CopyEngine, LayerCallback
 
 log = logging.getLogger("hicache.controller")
@@ -227,6 +228,11 @@ class Transfers:
         if len(ids):
             self._allocators[Tier.HOST][kind].free(ids)
 
+    def host_room_coming(self) -> bool:
+        """Caller holds the mutex. Whether L2 pages are held by writes in flight (to L3,
+        or late reads): they free, or become evictable, once those land."""
+        return any(held for held in self._held_l2.values()) or any(self._parked_l2.values())
+
     def _hold_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
         self._held_l2.setdefault(kind, Counter()).update(int(i) for i in ids)
 
@@ -293,10 +299,16 @@ class Transfers:
         namespace = self.tree.namespace_of(victim.node)
         hashes = victim.hashes()
         pages = dict(victim.pages)
+        l3 = self.ctl.l3
+        if l3 is None or not l3.takes_writes:
+            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            return
         for kind, ids in pages.items():
             self._hold_l2(kind, ids)
+        writing = self._begin_l3_write(namespace, hashes, pages)
 
         def release(written: int = 0) -> None:
+            l3.end_write(writing)
             with self.ctl._mu:
                 self.stats["backups_l3"] += written
                 for kind, ids in pages.items():
@@ -306,11 +318,9 @@ class Transfers:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
             release(len(hashes) // PAGE_HASH_BYTES)
 
-        l3 = self.ctl.l3
-        if l3 is None or not l3.takes_writes or not self.backup_worker.submit(
-            Job("write-back", run, lambda _e: release())
-        ):
+        if not self.backup_worker.submit(Job("write-back", run, lambda _e: release())):
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            l3.end_write(writing)
             for kind, ids in pages.items():  # not parked yet: the eviction frees them now
                 self._unhold_l2(kind, ids)
 
@@ -604,8 +614,10 @@ class Transfers:
         for kind, ids in pages.items():
             self._hold_l2(kind, ids)
         self._queued_l3.add(id(node))
+        writing = self._begin_l3_write(namespace, hashes, pages)
 
         def finish(stored: bool, failed: bool = True) -> None:
+            l3.end_write(writing)
             with self.ctl._mu:
                 for kind, ids in pages.items():
                     self._unhold_l2(kind, ids)
@@ -633,6 +645,19 @@ class Transfers:
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             finish(False, failed=False)
+
+    def _begin_l3_write(self, namespace: str, hashes: bytes,
+                        pages: dict[ComponentKind, np.ndarray]) -> list[Writing]:
+        """Record the pages `_write_l3` will store as in flight (lookups count them as
+        present and reads wait for them: L2 may let go of them before they land)."""
+        l3 = self.ctl.l3
+        assert l3 is not None
+        page_hashes = split_hashes(hashes)
+        writing: list[Writing] = []
+        for kind, ids in pages.items():
+            targets = page_hashes[len(page_hashes) - len(ids) :]
+            writing += l3.begin_write(namespace, targets, self.cfg.model.family(kind))
+        return writing
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
         l3 = self.ctl.l3
