@@ -40,10 +40,9 @@ log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BATCH_PAGES = 256  # pages per L3 read: fewer, larger calls are what the backends are fast at
 MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L3 lookup
-# Longest a prefetch waits for writes in flight: for the L2 pages they hold (when L2 had
-# no other room) and, before reading pages, for those pages' writes to land.
-DEFERRED_WAIT_S = 5.0
-WRITE_WAIT_S = 5.0
+# Longest a prefetch waits for writes in flight (or until its deadline): for the L2 pages
+# they hold, when L2 had no other room, and, before reading pages, for their writes.
+WRITES_WAIT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -53,7 +52,9 @@ class PrefetchOp:
     tokens: bytes  # the request's tokens up to the last page to fetch
     start_page: int  # token page of the first fetched page
     hashes: list[bytes]
-    host: dict[ComponentKind, np.ndarray]  # reserved host pages, one per page (MAMBA: 1)
+    # Reserved host pages, one per page (MAMBA: 1). Empty until the worker reserves them
+    # when L2 had no room at the start but what writes in flight held.
+    host: dict[ComponentKind, np.ndarray]
     deadline: float | None
     state: PrefetchState = PrefetchState.RUNNING
     pages_ready: int = 0
@@ -69,9 +70,6 @@ class PrefetchOp:
     # (L1 holds a prefix), so they are freed instead (mutex).
     l1_broken: bool = False
     owner: str = ""  # the engine whose match started it (the one that may ask about it)
-    # No host pages yet: L2 had no room at the start, only pages that writes in flight
-    # held; the worker reserves them first (`Prefetcher._reserve_deferred`).
-    deferred: bool = False
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -207,7 +205,7 @@ class Prefetcher:
             tokens=tokens[: (start_page + n) * ps * 4],
             start_page=start_page,
             hashes=[hashes[i * PAGE_HASH_BYTES : (i + 1) * PAGE_HASH_BYTES] for i in range(n)],
-            host=host if host is not None else {},
+            host=host or {},
             deadline=deadline,
             page_size=ps,
             to_l1=to_l1,
@@ -219,7 +217,6 @@ class Prefetcher:
         self._ops[op.op_id] = op
         self._forget_finished()
         if host is None:
-            op.deferred = True
             self.ctl.counters["prefetch_deferred_room"] += 1
         if not self.worker.submit(Job(f"prefetch-{op.op_id}", lambda: self._run(op),
                                       lambda e: self._finish(op, PrefetchState.FAILED))):
@@ -244,11 +241,9 @@ class Prefetcher:
     def _reserve_deferred(self, op: PrefetchOp) -> bool:
         """On the worker: reserve the host pages of an op that found no room at its start,
         waiting (mutex released) while writes in flight hold L2 pages, at most
-        `DEFERRED_WAIT_S`, until its deadline, or until it is cancelled. False: gave up."""
+        `_wait_left`. False: gave up (or cancelled)."""
         transfers = self.ctl.transfers
-        give_up = time.monotonic() + DEFERRED_WAIT_S
-        if op.deadline is not None:
-            give_up = min(give_up, op.deadline)
+        give_up = time.monotonic() + self._wait_left(op)
         with self.ctl._mu:
             while True:
                 if op.cancelled:
@@ -256,7 +251,6 @@ class Prefetcher:
                 host = self._try_reserve(len(op.hashes))
                 if host is not None:
                     op.host = host
-                    op.deferred = False
                     return True
                 left = give_up - time.monotonic()
                 # (Ops queued before this one have finished: the worker runs them in order.)
@@ -274,8 +268,8 @@ class Prefetcher:
         total = len(op.hashes)
         done = 0
         outcome = PrefetchState.DONE
-        if op.deferred and not self._reserve_deferred(op):
-            self._finish(op, PrefetchState.CANCELLED if op.cancelled else PrefetchState.FAILED)
+        if not op.host and not self._reserve_deferred(op):
+            self._finish(op, PrefetchState.FAILED)  # (a cancel that came first decides)
             return
         try:
             while done < total:
@@ -328,13 +322,14 @@ class Prefetcher:
 
     @staticmethod
     def _wait_left(op: PrefetchOp) -> float:
-        """How long a read may wait for writes in flight of its pages (the lookup that
-        started the op counted them as present): `WRITE_WAIT_S`, or until the deadline."""
+        """How long the op may still wait for writes in flight (the lookup that started it
+        counted their pages as present): `WRITES_WAIT_S`, less after its deadline or a
+        cancel."""
         if op.cancelled:
             return 0.0
         if op.deadline is None:
-            return WRITE_WAIT_S
-        return max(0.0, min(WRITE_WAIT_S, op.deadline - time.monotonic()))
+            return WRITES_WAIT_S
+        return max(0.0, min(WRITES_WAIT_S, op.deadline - time.monotonic()))
 
     def _hold_until_returned(self, op: PrefetchOp, pending: list[Any]) -> None:
         """A read given up on runs on and may still write into the op's host pages: they

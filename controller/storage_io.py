@@ -43,6 +43,10 @@ Writing = tuple[str, str, bytes]
 _S = TypeVar("_S", GetStatus, PutStatus)
 
 
+def _writing(namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec]) -> list[Writing]:
+    return [(namespace, members[0].name, h) for h in hashes]
+
+
 class L3Store:
     def __init__(self, backend: StorageBackend, host: HostPools, model_id: str,
                  tp_rank: int = 0, tp_size: int = 1, breaker: CircuitBreaker | None = None,
@@ -78,7 +82,7 @@ class L3Store:
                     members: Sequence[MemberSpec]) -> list[Writing]:
         """Record a write of these pages' families as in flight (when it is queued); pass
         what this returns to `end_write` once it landed, failed or was dropped."""
-        pages = [(namespace, members[0].name, h) for h in hashes]
+        pages = _writing(namespace, hashes, members)
         with self._landed:
             self._writing.update(pages)
         return pages
@@ -105,7 +109,7 @@ class L3Store:
                      timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until no write in flight covers these pages; False
         when some still does."""
-        pages = [(namespace, members[0].name, h) for h in hashes]
+        pages = _writing(namespace, hashes, members)
         deadline = time.monotonic() + timeout_s
         with self._landed:
             while any(p in self._writing for p in pages):

@@ -26,9 +26,10 @@ from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.tree import MatchResult, TreeLock, Victim
-from hicache.types import ComponentKind, Tier, WritePolicy
+from hicache.types import ComponentKind, PageHash, Tier, WritePolicy
 
 if TYPE_CHECKING:
+    from hicache.config import MemberSpec
     from hicache.controller.controller import HybridCacheController
     from hicache.controller.engines import EngineRegistry
     from hicache.controller.storage_io import Writing
@@ -230,8 +231,8 @@ class Transfers:
 
     def host_room_coming(self) -> bool:
         """Caller holds the mutex. Whether L2 pages are held by writes in flight (to L3,
-        or late reads): they free, or become evictable, once those land."""
-        return any(held for held in self._held_l2.values()) or any(self._parked_l2.values())
+        or late reads): they free once those land (a parked page is a held one)."""
+        return any(self._held_l2.values())
 
     def _hold_l2(self, kind: ComponentKind, ids: np.ndarray) -> None:
         self._held_l2.setdefault(kind, Counter()).update(int(i) for i in ids)
@@ -652,21 +653,23 @@ class Transfers:
         present and reads wait for them: L2 may let go of them before they land)."""
         l3 = self.ctl.l3
         assert l3 is not None
-        page_hashes = split_hashes(hashes)
         writing: list[Writing] = []
-        for kind, ids in pages.items():
-            targets = page_hashes[len(page_hashes) - len(ids) :]
-            writing += l3.begin_write(namespace, targets, self.cfg.model.family(kind))
+        for _kind, _ids, targets, members in self._l3_targets(hashes, pages):
+            writing += l3.begin_write(namespace, targets, members)
         return writing
+
+    def _l3_targets(self, hashes: bytes, pages: dict[ComponentKind, np.ndarray]
+                    ) -> Iterator[tuple[ComponentKind, np.ndarray, list[PageHash], tuple[MemberSpec, ...]]]:
+        """(kind, host pages, their page hashes, family) of each slot an L3 write stores:
+        a MAMBA checkpoint is at the node's end; an SWA slot may be its node's tail."""
+        page_hashes = split_hashes(hashes)
+        for kind, ids in pages.items():
+            yield kind, ids, page_hashes[len(page_hashes) - len(ids) :], self.cfg.model.family(kind)
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
         l3 = self.ctl.l3
         assert l3 is not None
-        page_hashes = split_hashes(hashes)
-        for kind, ids in pages.items():
-            members = self.cfg.model.family(kind)
-            # A MAMBA checkpoint is at the node's end; an SWA slot may be its node's tail.
-            targets = page_hashes[len(page_hashes) - len(ids) :]
+        for kind, ids, targets, members in self._l3_targets(hashes, pages):
             stored = l3.write(namespace, targets, members, ids)
             if stored < len(targets):  # retried; refusals count against the write breaker
                 raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")

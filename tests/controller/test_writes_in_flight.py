@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from engine_sim import Engine, evict_all, seq, wait_prefetch
 
 from hicache.controller.base import MatchRequest, PrefetchState
@@ -110,7 +111,7 @@ def test_a_deferred_prefetch_gives_up_when_no_room_comes_and_leaks_nothing(make,
     """The write it waits for holds pages a request has locked: nothing frees in time."""
     import hicache.controller.prefetch as pf
 
-    monkeypatch.setattr(pf, "DEFERRED_WAIT_S", 0.2)
+    monkeypatch.setattr(pf, "WRITES_WAIT_S", 0.2)
     ctl = make(**THROUGH)
     eng = Engine(ctl)
     wanted = seq(8)
@@ -142,18 +143,27 @@ def test_a_deferred_prefetch_gives_up_when_no_room_comes_and_leaks_nothing(make,
     ctl.check_integrity()  # no reserved page left behind (and the fixture audits owners)
 
 
-def test_writes_given_up_or_dropped_are_no_longer_in_flight(make) -> None:
+@pytest.mark.parametrize("how", ["given_up", "dropped"])
+def test_writes_given_up_or_dropped_are_no_longer_in_flight(make, how: str) -> None:
     ctl = make(**THROUGH)
     eng = Engine(ctl)
+    if how == "given_up":
+        def refuse(keys, buffers):
+            raise BackendUnavailable("store down")
 
-    def refuse(keys, buffers):
-        raise BackendUnavailable("store down")
-
-    ctl.l3.backend._write_from = refuse
+        ctl.l3.backend._write_from = refuse
+    else:  # the backup queue is full
+        ctl.transfers.backup_worker.submit = lambda job: False
+    dropped = ctl.transfers.stats["backups_dropped"]
     eng.request(seq(4))
     assert ctl.transfers.drain(10)
-    assert not ctl.l3._writing  # given up after its retries
-    assert ctl.match("e1", MatchRequest("", seq(4, base=500) + seq(4))).storage_tokens == 0
+    assert not ctl.l3._writing
+    if how == "dropped":
+        assert ctl.transfers.stats["backups_dropped"] == dropped + 4
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    # Neither stored nor in flight: L3 has nothing of it (counted as L3's, a request
+    # would have been promised pages no read could bring).
+    assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 0
 
 
 def test_a_read_waits_for_a_write_in_flight_at_most_its_wait(make) -> None:
