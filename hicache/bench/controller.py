@@ -2,7 +2,10 @@
 
 1. L3 -> L1 for a 32K-token prefix: prefetch (L3 -> L2, batches following on into free L1)
    then load (L2 -> L1, whatever is left), against the backend's own read of the same
-   objects plus one contiguous copy of the same bytes.
+   objects plus one contiguous copy of the same bytes. The match that starts the prefetch
+   (tree match, page hashes, a cold existence check of every page in L3) is timed apart:
+   the raw read is told its keys and checks nothing, so the transfer is compared alone
+   (`ratio`) and with that lookup added (`ratio_with_lookup`).
 2. Serving-path latency (match with allocation + insert of a new 4K-token prompt) with a
    healthy Redis L3 and with the same Redis stopped.
 """
@@ -74,15 +77,16 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
             payload = n_pages * members[0].bytes_per_page
             dst = torch.empty(payload, dtype=torch.uint8)
             src = torch.from_numpy(np.concatenate([s[64:] for s in scratch]))
-            ours: list[float] = []
+            lookup: list[float] = []
+            transfer: list[float] = []
             raw: list[float] = []
             for _ in range(repeat):
                 _evict_all(ctl)
-                l3.cache.forget(keys)
+                l3.cache.forget(keys)  # cold: as on a node that never saw these pages
                 t0 = time.perf_counter()
                 m = ctl.match("bench", MatchRequest("", tokens, lock=True, prefetch=True))
-                op = ctl.prefetcher.get(m.prefetch_id)
-                assert op is not None
+                t1 = time.perf_counter()
+                assert m.storage_tokens == tokens_n and m.prefetch_id, (m.storage_tokens, m.prefetch_id)
                 while ctl.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING:
                     time.sleep(0.0005)
                 ctl.release("bench", m.lock_id, None)
@@ -91,7 +95,9 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
                 assert m.device_tokens + m.host_tokens == tokens_n, (m.device_tokens, m.host_tokens)
                 for _progress in ctl.load("bench", m.lock_id):
                     pass
-                ours.append(time.perf_counter() - t0)
+                t2 = time.perf_counter()
+                lookup.append(t1 - t0)
+                transfer.append(t2 - t1)
                 ctl.release("bench", m.lock_id, None)
                 t0 = time.perf_counter()
                 statuses = l3.backend.get_into(keys, scratch)
@@ -101,8 +107,12 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
             ctl.check_integrity()
         finally:
             ctl.close()
-    o, r = statistics.median(ours), statistics.median(raw)
-    return {"tokens": tokens_n, "ours_s": o, "raw_s": r, "bytes": float(payload), "ratio": o / r}
+    med = statistics.median
+    r = med(raw)
+    whole = med([a + b for a, b in zip(lookup, transfer, strict=True)])
+    return {"tokens": tokens_n, "bytes": float(payload), "lookup_s": med(lookup),
+            "ours_s": med(transfer), "ours_with_lookup_s": whole, "raw_s": r,
+            "ratio": med(transfer) / r, "ratio_with_lookup": whole / r}
 
 
 def serving(requests: int, seed: int) -> dict[str, float]:
@@ -139,7 +149,7 @@ def serving(requests: int, seed: int) -> dict[str, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=32768, help="prefix brought from L3 to L1")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=11, help="trials; each figure is their median")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE")
@@ -147,14 +157,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     load = l3_to_l1(args.tokens, args.repeat, args.seed)
-    print(f"L3->L1 {load['tokens']} tokens ({load['bytes'] / 2**20:.0f} MiB): ours {load['ours_s'] * 1e3:.1f} ms, "
-          f"raw read + one copy {load['raw_s'] * 1e3:.1f} ms -> {load['ratio']:.2f}x")
+    print(f"L3->L1 {load['tokens']} tokens ({load['bytes'] / 2**20:.0f} MiB): prefetch + load "
+          f"{load['ours_s'] * 1e3:.1f} ms, raw read + one copy {load['raw_s'] * 1e3:.1f} ms -> "
+          f"{load['ratio']:.2f}x; with the match's cold L3 lookup ({load['lookup_s'] * 1e3:.1f} ms) "
+          f"{load['ours_with_lookup_s'] * 1e3:.1f} ms -> {load['ratio_with_lookup']:.2f}x")
     serve = serving(args.requests, args.seed)
     print(f"serving path (match+allocate+insert, 4K tokens): healthy L3 {serve['healthy_us']:.0f} us, "
           f"dead L3 {serve['dead_us']:.0f} us -> {serve['ratio']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "l3_to_l1": load, "serving": serve,
-            "ratios": {"l3_to_l1_vs_raw": load["ratio"], "serving_dead_l3_vs_healthy": serve["ratio"]},
+            "ratios": {"l3_to_l1_vs_raw": load["ratio"],
+                       "l3_to_l1_with_lookup_vs_raw": load["ratio_with_lookup"],
+                       "serving_dead_l3_vs_healthy": serve["ratio"]},
         }, indent=2))
     return 0

@@ -17,6 +17,7 @@ Every OSError other than "no such file" (ENOSPC, EACCES, EROFS, EIO, ...) raises
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -77,6 +78,9 @@ def _writer_gone(pid: int, mtime: float) -> bool:
 WRITE_THREADS = 2
 READ_THREADS = 1
 MIN_PART = 16
+# Existence checks run in chunks of this many keys (a miss ends the run: at most one chunk
+# is checked past it).
+EXISTS_CHUNK = 64
 
 
 def _runs(total: int, threads: int) -> list[tuple[int, int]]:
@@ -210,12 +214,16 @@ class FileBackend(StorageBackend):
         return self._caller.call(self._exists_sync, keys)
 
     def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
+        # In chunks, each checked by one C-level map (a Python step per key cost ~15 % of
+        # the whole), stopping after the chunk with the first miss; `os.access` is half
+        # the cost of a stat.
         out: list[bool] = []
-        path_of, access, present_flag = self.path_of, os.access, os.F_OK
-        for key in keys:
-            present = access(path_of(key), present_flag)  # half the cost of a stat
-            out.append(present)
-            if not present:
+        root, access, flags = self.root, os.access, itertools.repeat(os.F_OK)
+        for lo in range(0, len(keys), EXISTS_CHUNK):
+            digests = [key_digest(key).hex() for key in keys[lo : lo + EXISTS_CHUNK]]
+            present = list(map(access, [f"{root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}" for h in digests], flags))
+            out += present
+            if not all(present):
                 break
         return out
 

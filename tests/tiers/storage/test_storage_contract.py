@@ -147,13 +147,13 @@ def test_exists_prefix_stops_at_the_first_gap(store: Store) -> None:
     assert backend.exists_prefix([]) == 0
 
 
-@pytest.mark.parametrize("gap", [5, 40, None])
+@pytest.mark.parametrize("gap", [5, 40, 63, 64, 100, 149, None])
 def test_exists_prefix_over_parallel_runs(store: Store, gap: int | None) -> None:
-    """Enough keys that a backend may check them in parallel runs: a gap in the first run
-    ends the answer there even though the later run is whole, and one in the later run
-    is found after the first run's keys."""
+    """Enough keys that a backend may check them in parallel runs or in chunks (the file
+    backend: 64 keys): a gap in the first run ends the answer there even though the later
+    ones are whole, and one in a later run is found after the earlier runs' keys."""
     backend = store.backend
-    n = 64
+    n = 150
     pool = Pool(n).register(backend)
     ks = keys(n)
     present = [i for i in range(n) if i != gap]
