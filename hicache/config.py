@@ -38,6 +38,7 @@ from hicache.types import (
     WritePolicy,
 )
 
+MAX_FILE_THREADS = 64  # storage.file.threads
 GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
@@ -296,12 +297,17 @@ class FileStorageConfig:
     path: str = "/tmp/hicache"
     capacity_gb: float | None = None
     fsync: bool = False
+    # Threads per call (existence checks, reads, writes); None: by filesystem (file.py).
+    threads: int | None = None
 
     def _validate(self, path: str) -> None:
         if not self.path:
             raise ConfigError(f"{path}.path: must be a non-empty directory path")
         if self.capacity_gb is not None:
             _positive(self.capacity_gb, f"{path}.capacity_gb")
+        if self.threads is not None and not 1 <= self.threads <= MAX_FILE_THREADS:
+            raise ConfigError(f"{path}.threads: {self.threads!r} must be in [1, {MAX_FILE_THREADS}] "
+                              "(or null: by filesystem)")
 
 
 @dataclass(frozen=True)

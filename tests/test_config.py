@@ -117,6 +117,9 @@ def test_l2_size_gb_overrides_ratio() -> None:
         ("server: {tokens: [{token: short, namespaces: [a]}]}", "server.tokens[0].token: must be at least 16 characters"),
         ("storage: {backend: mooncake}", "storage.mooncake.master: required with storage.backend=mooncake (or set MOONCAKE_MASTER)"),
         ("storage: {redis: {url: 'http://x'}}", "storage.redis.url: 'http://x' must start with"),
+        ("storage: {file: {threads: 0}}", "storage.file.threads: 0 must be in [1, 64] (or null: by filesystem)"),
+        ("storage: {file: {threads: 65}}", "storage.file.threads: 65 must be in [1, 64]"),
+        ("storage: {file: {threads: auto}}", "storage.file.threads: expected an integer"),
         ("metrics: {port: 70000}", "metrics.port: 70000 must be in [0, 65535]"),
         ("server: {listen: 'unix://relative.sock'}", "server.listen: 'unix://relative.sock': a unix socket address is unix:///absolute/path"),
         # numbers that are not finite, or beyond what the wire can carry

@@ -82,13 +82,16 @@ def mooncake_pair(
     raw.close()
 
 
-@pytest.fixture(params=["file", "redis", "mooncake"])
+@pytest.fixture(params=["file", "file-threads", "redis", "mooncake"])
 def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
     kind = request.param
     corrupt: Corrupt
     replace: Replace
-    if kind == "file":
-        cfg = storage_config(StorageBackendName.FILE, file=FileStorageConfig(path=str(tmp_path)))
+    if kind.startswith("file"):
+        # file-threads: every call fanned out over threads, as on a shared filesystem
+        threads = 4 if kind == "file-threads" else None
+        cfg = storage_config(StorageBackendName.FILE,
+                             file=FileStorageConfig(path=str(tmp_path), threads=threads))
         backend, corrupt, replace = build_backend(cfg), _flip_file_byte, _replace_file
     elif kind == "redis":
         server = request.getfixturevalue("redis_server")

@@ -7,6 +7,7 @@ import logging
 import os
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from storage_pages import Pool, keys
 from hicache.config import FileStorageConfig
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
-from hicache.tiers.storage.file import STALE_TEMP_S, FileBackend
+from hicache.tiers.storage import file as file_backend
+from hicache.tiers.storage.file import SHARED_FS_THREADS, STALE_TEMP_S, FileBackend, FileThreads
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs, parse_mountinfo
 
 OBJECT = HEADER_BYTES + 4096
@@ -350,3 +352,68 @@ def test_a_restart_removes_its_hosts_dead_writers_temp_files_whatever_their_age(
     monkeypatch.setattr(os, "replace", replace)
     assert restarted.put_from(keys(1), Pool(1).slots()) == [PutStatus.STORED]
     assert host and "." not in host and f".{host}.{os.getpid()}." in renamed[0]
+
+
+def test_threads_follow_the_filesystem_unless_configured(tmp_path: Path, monkeypatch) -> None:
+    assert FileThreads.resolve(None, shared=False) == FileThreads(1, 1, 2)
+    assert FileThreads.resolve(None, shared=True) == FileThreads(*[SHARED_FS_THREADS] * 3)
+    assert FileThreads.resolve(4, shared=False) == FileThreads.resolve(4, shared=True) == FileThreads(4, 4, 4)
+    assert _backend(tmp_path / "local").threads == FileThreads(1, 1, 2)
+    monkeypatch.setattr(file_backend, "is_shared_fs", lambda _fstype: True)  # as on an NFS mount
+    shared = _backend(tmp_path / "shared")
+    assert shared.threads == FileThreads(*[SHARED_FS_THREADS] * 3)
+    pool = Pool(40)
+    k = keys(40)
+    assert shared.put_from(k, pool.slots()) == [PutStatus.STORED] * 40
+    assert shared.exists_prefix(k) == 40
+    back = Pool(40, seed=None)
+    assert shared.get_into(k, back.slots()) == [GetStatus.HIT] * 40
+    assert (back.memory == pool.memory).all()
+
+
+class _Checks:
+    """`os.access` counted, each check taking a millisecond (a network filesystem's round
+    trip), with the most that ran at once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.running = 0
+        self.most = 0
+        self._lock = threading.Lock()
+        self._access = os.access
+
+    def __call__(self, path: str, mode: int, **kw: object) -> bool:
+        with self._lock:
+            self.calls += 1
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.001)
+        try:
+            return self._access(path, mode, **kw)  # type: ignore[arg-type]
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+@pytest.mark.parametrize("gap", [None, 0, 1, 40, 99])
+def test_fanned_out_checks_run_at_once_and_stop_soon_after_a_miss(
+    tmp_path: Path, monkeypatch, gap: int | None
+) -> None:
+    backend = FileBackend(FileStorageConfig(path=str(tmp_path), threads=4), timeout_s=5.0)
+    backend.start()
+    n = 100
+    k = keys(n)
+    present = [i for i in range(n) if i != gap]
+    backend.put_from([k[i] for i in present], Pool(n).slots(present))
+    checks = _Checks()
+    monkeypatch.setattr(os, "access", checks)
+    assert backend.exists_prefix(k) == (n if gap is None else gap)
+    if gap is None:
+        assert checks.calls == n and checks.most > 1  # each key once, several at once
+    else:
+        # The first key alone, then rounds of 4, 8, 16, ...: past the miss at most as
+        # many keys are checked as before it, or a round of 4 (a prompt missing from the
+        # start costs one check).
+        assert gap + 1 <= checks.calls <= gap + 1 + max(3, gap)
+        assert gap > 0 or checks.calls == 1
+    backend.close()
