@@ -108,15 +108,20 @@ class BoundedCaller:
                 f"{self.name}: no answer within {timeout:g} s (storage.timeout_s)", [future]
             ) from None
 
-    def map(self, fn: Callable[..., _R], arg_tuples: Sequence[tuple[Any, ...]]) -> list[_R]:
+    def map(self, fn: Callable[..., _R], arg_tuples: Sequence[tuple[Any, ...]],
+            timeout_s: float | None = None) -> list[_R]:
         """Run ``fn(*args)`` for every tuple at once on the pool; their results in order,
-        or `BackendUnavailable` when they are not all done within `timeout_s` (the late
-        ones count as stuck, like a late `call`). The first exception of `fn` propagates
-        (after every part finished, so no part still runs when this returns)."""
+        or `BackendUnavailable` when they are not all done within `timeout_s` (default:
+        the caller's; the late ones count as stuck, like a late `call`; none left: nothing
+        runs). The first exception of `fn` propagates (after every part finished, so no
+        part still runs when this returns)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise BackendTimedOut(f"{self.name}: no answer within {self.timeout_s:g} s (storage.timeout_s)", [])
         if len(arg_tuples) == 1:
-            return [self.call(fn, *arg_tuples[0])]
+            return [self.call_within(timeout, fn, *arg_tuples[0])]
         futures = [self.submit(fn, *args) for args in arg_tuples]
-        _, late = cf.wait(futures, timeout=self.timeout_s)
+        _, late = cf.wait(futures, timeout=timeout)
         if late:
             self._stick(list(late))
             raise BackendTimedOut(

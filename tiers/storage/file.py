@@ -10,13 +10,8 @@ file mtimes at start, updated on every put and hit) evicts least-recently-used f
 write would pass the capacity. Other nodes sharing the directory keep their own index; a file
 another node removed is simply a miss here.
 
-Threads (`storage.file.threads`, `FileThreads`): on a local filesystem a call checks and
-reads in one thread and writes in two (the kernel's page cache answers in microseconds;
-hand-offs between threads cost more than they overlap). On a shared filesystem every
-check and read is a round trip to a server, so calls fan out over SHARED_FS_THREADS
-threads; existence checks then go in rounds that grow from the first key alone, so a
-prompt L3 does not hold costs one check, and one found costs a few rounds, not one round
-trip per page.
+Threads (`storage.file.threads`): one call's checks, reads and writes spread over threads
+by filesystem (`fanout.py`): few on a local one, many on a shared one.
 
 Every OSError other than "no such file" (ENOSPC, EACCES, EROFS, EIO, ...) raises
 `BackendUnavailable`, as does a call that exceeds `storage.timeout_s` (a hung NFS mount).
@@ -33,13 +28,19 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, VERIFIED, PutStatus, StorageBackend
+from hicache.tiers.storage.fanout import (
+    SHARED_FS_THREADS,
+    WRITE_THREADS,
+    FileThreads,
+    exists_rounds,
+    runs,
+)
 from hicache.tiers.storage.integrity import check_object, key_digest
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
 
@@ -79,46 +80,9 @@ def _writer_gone(pid: int, mtime: float) -> bool:
     except OSError:  # (EPERM: alive, another user's)
         return False
     return False
-# A batch is cut into parts of at least MIN_PART objects for this many threads. Writes are
-# mostly system calls (create, write, rename) that release the GIL: two threads measured
-# ~1.3x one here. Reads are mostly the kernel's copy plus hashing under the GIL: a second
-# thread measured no faster, so reads stay in one (the verification then runs in the
-# thread that just read the object, on bytes still in the CPU cache).
-WRITE_THREADS = 2
-READ_THREADS = 1
-MIN_PART = 16
-# Threads per call on a shared (network) filesystem, where each object costs a round trip.
-SHARED_FS_THREADS = 16
 # Existence checks run in chunks of this many keys (a miss ends the run: at most one chunk
 # is checked past it).
 EXISTS_CHUNK = 64
-
-
-@dataclass(frozen=True)
-class FileThreads:
-    """Threads per call, by kind of call."""
-
-    exists: int
-    read: int
-    write: int
-
-    @classmethod
-    def resolve(cls, configured: int | None, shared: bool) -> FileThreads:
-        """`storage.file.threads` (None: by filesystem) on a `shared` filesystem or not."""
-        if configured is not None:
-            return cls(configured, configured, configured)
-        if shared:
-            return cls(SHARED_FS_THREADS, SHARED_FS_THREADS, SHARED_FS_THREADS)
-        return cls(1, READ_THREADS, WRITE_THREADS)
-
-
-def _runs(total: int, threads: int, min_part: int = MIN_PART) -> list[tuple[int, int]]:
-    """(start, length) of at most `threads` runs of at least `min_part` covering `total`."""
-    if total <= 0:
-        return [(0, 0)]
-    n = max(1, min(threads, total // min_part))
-    size = -(-total // n)
-    return [(lo, min(size, total - lo)) for lo in range(0, total, size)]
 
 
 class FileBackend(StorageBackend):
@@ -138,6 +102,7 @@ class FileBackend(StorageBackend):
         self.capacity_bytes = None if cfg.capacity_gb is None else int(cfg.capacity_gb * GiB)
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
         self._used = 0
+        self._reserved = 0  # bytes of writes under way (`_reserve`)
         self._lock = threading.Lock()
         self._host = _host_tag()
 
@@ -213,19 +178,34 @@ class FileBackend(StorageBackend):
     def _path(self, h: str) -> str:
         return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
-    def _touch(self, h: str, size: int) -> list[str]:
-        """Record a use of object `h`; returns digests to evict to stay within capacity."""
+    def _touch(self, h: str, size: int, reserved: int = 0) -> list[str]:
+        """Record a use of object `h` (a write's: the `reserved` bytes it made room for
+        become its own); returns digests to evict to stay within capacity."""
         with self._lock:
+            self._reserved -= reserved
             old = self._lru.pop(h, None)
             self._used += size - (old or 0)
             self._lru[h] = size
             return self._evict_locked(0)
 
+    def _reserve(self, size: int) -> list[str]:
+        """Make room for a write of `size` bytes and hold it until the write is recorded
+        (`_touch(..., reserved=size)`) or given up (`_unreserve`): writers in parallel
+        each count the others' objects still being written. Returns digests to evict."""
+        with self._lock:
+            victims = self._evict_locked(size)
+            self._reserved += size
+            return victims
+
+    def _unreserve(self, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+
     def _evict_locked(self, incoming: int) -> list[str]:
         if self.capacity_bytes is None:
             return []
         victims: list[str] = []
-        while self._lru and self._used + incoming > self.capacity_bytes:
+        while self._lru and self._used + self._reserved + incoming > self.capacity_bytes:
             h, size = self._lru.popitem(last=False)
             self._used -= size
             victims.append(h)
@@ -250,22 +230,20 @@ class FileBackend(StorageBackend):
         threads = self.threads.exists
         if threads == 1:
             return self._caller.call(self._exists_sync, keys)
-        # Fanned out, in rounds: the first key alone (a prompt L3 does not hold misses
-        # there), then `threads` keys, doubling; a round with a miss is the last, so the
-        # keys checked past a miss are at most as many as before it (or `threads`).
+        # Fanned out, in rounds (`exists_rounds`); a round with a miss is the last. The
+        # rounds share one `storage.timeout_s`, like the one call they replace.
         out: list[bool] = []
-        lo, size = 0, 1
-        while lo < len(keys):
+        deadline = time.monotonic() + self.timeout_s
+        for lo, size in exists_rounds(len(keys), threads):
             batch = keys[lo : lo + size]
             parts = self._caller.map(
-                self._exists_sync, [(batch[a : a + n],) for a, n in _runs(len(batch), threads, 1)]
+                self._exists_sync, [(batch[a : a + n],) for a, n in runs(size, threads, 1)],
+                timeout_s=deadline - time.monotonic(),
             )
             for part in parts:
                 out += part
                 if not all(part):
                     return out
-            lo += len(batch)
-            size = max(threads, 2 * size)
         return out
 
     def _exists_sync(self, keys: Sequence[str]) -> list[bool]:
@@ -285,8 +263,9 @@ class FileBackend(StorageBackend):
     def _parts(
         self, keys: Sequence[str], buffers: Sequence[np.ndarray], threads: int
     ) -> list[tuple[Sequence[str], Sequence[np.ndarray]]]:
-        """`keys`/`buffers` cut into at most `threads` runs of at least `MIN_PART` objects."""
-        return [(keys[lo : lo + n], buffers[lo : lo + n]) for lo, n in _runs(len(keys), threads)]
+        """`keys`/`buffers` cut into at most `threads` runs (`FileThreads.min_part`)."""
+        return [(keys[lo : lo + n], buffers[lo : lo + n])
+                for lo, n in runs(len(keys), threads, self.threads.min_part)]
 
     def _read_into(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[int]:
         parts = self._caller.map(self._read_sync, self._parts(keys, buffers, self.threads.read))
@@ -354,16 +333,19 @@ class FileBackend(StorageBackend):
                 out.append(PutStatus.PRESENT)
                 continue
             tmp = path + tmp_suffix
+            reserved = buf.nbytes if self.capacity_bytes is not None else 0
             try:
-                if self.capacity_bytes is not None:
-                    with self._lock:
-                        victims = self._evict_locked(buf.nbytes)
-                    self._unlink(victims)
+                if reserved:
+                    self._unlink(self._reserve(reserved))
                 self._write_file(tmp, path, buf.data)
-            except OSError as e:
+            except BaseException as e:
+                if reserved:
+                    self._unreserve(reserved)
                 _discard(tmp)
-                raise _unavailable(path, e) from None
-            self._unlink(self._touch(h, buf.nbytes))
+                if isinstance(e, OSError):
+                    raise _unavailable(path, e) from None
+                raise
+            self._unlink(self._touch(h, buf.nbytes, reserved))
             out.append(PutStatus.STORED)
         return out
 

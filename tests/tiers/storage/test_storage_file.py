@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import tempfile
@@ -18,7 +19,8 @@ from hicache.config import FileStorageConfig
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
 from hicache.tiers.storage import file as file_backend
-from hicache.tiers.storage.file import SHARED_FS_THREADS, STALE_TEMP_S, FileBackend, FileThreads
+from hicache.tiers.storage.fanout import SHARED_FS_THREADS, FileThreads, exists_rounds
+from hicache.tiers.storage.file import STALE_TEMP_S, FileBackend
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs, parse_mountinfo
 
 OBJECT = HEADER_BYTES + 4096
@@ -355,13 +357,16 @@ def test_a_restart_removes_its_hosts_dead_writers_temp_files_whatever_their_age(
 
 
 def test_threads_follow_the_filesystem_unless_configured(tmp_path: Path, monkeypatch) -> None:
-    assert FileThreads.resolve(None, shared=False) == FileThreads(1, 1, 2)
-    assert FileThreads.resolve(None, shared=True) == FileThreads(*[SHARED_FS_THREADS] * 3)
-    assert FileThreads.resolve(4, shared=False) == FileThreads.resolve(4, shared=True) == FileThreads(4, 4, 4)
-    assert _backend(tmp_path / "local").threads == FileThreads(1, 1, 2)
+    many = SHARED_FS_THREADS
+    assert FileThreads.resolve(None, shared=False) == FileThreads(1, 1, 2, min_part=16)
+    assert FileThreads.resolve(None, shared=True) == FileThreads(many, many, many, min_part=1)
+    assert FileThreads.resolve(4, shared=False) == FileThreads(4, 4, 4, min_part=16)
+    assert FileThreads.resolve(4, shared=True) == FileThreads(4, 4, 4, min_part=1)
+    monkeypatch.setattr(file_backend, "is_shared_fs", lambda _fstype: False)
+    assert _backend(tmp_path / "local").threads == FileThreads.resolve(None, shared=False)
     monkeypatch.setattr(file_backend, "is_shared_fs", lambda _fstype: True)  # as on an NFS mount
     shared = _backend(tmp_path / "shared")
-    assert shared.threads == FileThreads(*[SHARED_FS_THREADS] * 3)
+    assert shared.threads == FileThreads.resolve(None, shared=True)
     pool = Pool(40)
     k = keys(40)
     assert shared.put_from(k, pool.slots()) == [PutStatus.STORED] * 40
@@ -371,14 +376,29 @@ def test_threads_follow_the_filesystem_unless_configured(tmp_path: Path, monkeyp
     assert (back.memory == pool.memory).all()
 
 
-class _Checks:
-    """`os.access` counted, each check taking a millisecond (a network filesystem's round
-    trip), with the most that ran at once."""
+@pytest.mark.parametrize("threads", [2, 4, 16])
+def test_existence_rounds_cover_the_keys_and_check_few_past_a_miss(threads: int) -> None:
+    for total in (0, 1, 2, 17, 100, 512):
+        rounds = list(exists_rounds(total, threads))
+        sizes = [n for _, n in rounds]
+        assert [lo for lo, _ in rounds] == list(itertools.accumulate(sizes[:-1], initial=0))[: len(rounds)]
+        assert sum(n for _, n in rounds) == total and all(n > 0 for _, n in rounds)
+        if total > 1:
+            assert rounds[0] == (0, 1) and rounds[1][1] == min(threads, total - 1)
+        for miss in range(total):  # a miss ends its round: at most this much is checked past it
+            end = next(lo + n for lo, n in rounds if miss < lo + n)
+            assert end - (miss + 1) <= max(miss, threads - 1)
 
-    def __init__(self) -> None:
+
+class _Checks:
+    """`os.access` counted, each check taking `delay` seconds (a network filesystem's
+    round trip), with the most that ran at once."""
+
+    def __init__(self, delay: float = 0.001) -> None:
         self.calls = 0
         self.running = 0
         self.most = 0
+        self.delay = delay
         self._lock = threading.Lock()
         self._access = os.access
 
@@ -387,7 +407,7 @@ class _Checks:
             self.calls += 1
             self.running += 1
             self.most = max(self.most, self.running)
-        time.sleep(0.001)
+        time.sleep(self.delay)
         try:
             return self._access(path, mode, **kw)  # type: ignore[arg-type]
         finally:
@@ -395,11 +415,11 @@ class _Checks:
                 self.running -= 1
 
 
-@pytest.mark.parametrize("gap", [None, 0, 1, 40, 99])
-def test_fanned_out_checks_run_at_once_and_stop_soon_after_a_miss(
+@pytest.mark.parametrize("gap", [None, 0, 1, 5, 10, 40, 79, 99])
+def test_fanned_out_checks_run_at_once_and_stop_with_the_round_of_a_miss(
     tmp_path: Path, monkeypatch, gap: int | None
 ) -> None:
-    backend = FileBackend(FileStorageConfig(path=str(tmp_path), threads=4), timeout_s=5.0)
+    backend = FileBackend(FileStorageConfig(path=str(tmp_path), threads=4), timeout_s=30.0)
     backend.start()
     n = 100
     k = keys(n)
@@ -408,12 +428,65 @@ def test_fanned_out_checks_run_at_once_and_stop_soon_after_a_miss(
     checks = _Checks()
     monkeypatch.setattr(os, "access", checks)
     assert backend.exists_prefix(k) == (n if gap is None else gap)
-    if gap is None:
-        assert checks.calls == n and checks.most > 1  # each key once, several at once
-    else:
-        # The first key alone, then rounds of 4, 8, 16, ...: past the miss at most as
-        # many keys are checked as before it, or a round of 4 (a prompt missing from the
-        # start costs one check).
-        assert gap + 1 <= checks.calls <= gap + 1 + max(3, gap)
-        assert gap > 0 or checks.calls == 1
+    if gap is None:  # (its last rounds give each thread 5-10 keys: they overlap)
+        assert checks.most > 1
+    # Each key at most once, and every key up to the end of the round with the miss:
+    # rounds of 1, 4, then as large as all before them (1, 4, 5, 10, 20, 40, 20 here).
+    last = n - 1 if gap is None else gap
+    assert checks.calls == next(lo + m for lo, m in exists_rounds(n, 4) if last < lo + m)
+    backend.close()
+
+
+def test_fanned_out_checks_share_one_timeout(tmp_path: Path, monkeypatch) -> None:
+    """Every round would end within `storage.timeout_s`, all of them together not: the
+    check gives up at the timeout, as one call would."""
+    writer = _backend(tmp_path)
+    k = keys(512)
+    writer.put_from(k, Pool(512).slots())
+    writer.close()
+    backend = FileBackend(FileStorageConfig(path=str(tmp_path), threads=16), timeout_s=0.2)
+    backend.start()
+    monkeypatch.setattr(os, "access", _Checks(delay=0.01))  # rounds of 10-150 ms: ~360 ms in all
+    t0 = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=r"no answer within"):
+        backend.exists_prefix(k)
+    assert time.monotonic() - t0 < 0.2 + 0.15
+    backend.close()
+
+
+def test_parallel_writers_each_make_room_counting_the_others(tmp_path: Path, monkeypatch) -> None:
+    """A full store and 8 writers starting at once: each evicts for its own object while
+    counting the objects the others are writing, so with all 8 under way the files on disk
+    and being written are still within the capacity (found by a review: each used to make
+    room only for itself, the in-flight objects uncounted, and 8 writers took a full store
+    7 objects past its capacity)."""
+    cap = 32
+    backend = FileBackend(
+        FileStorageConfig(path=str(tmp_path), capacity_gb=cap * OBJECT / (1 << 30), threads=8),
+        timeout_s=5.0,
+    )
+    backend.start()
+    k = keys(cap + 128)
+    assert backend.put_from(k[:cap], Pool(cap).slots()) == [PutStatus.STORED] * cap  # full
+    seen: list[int] = []
+
+    def count() -> None:  # (all 8 are waiting: their room made, their victims removed)
+        seen.append(sum(n.endswith(".kv") for _, _, names in os.walk(tmp_path) for n in names))
+
+    together = threading.Barrier(8, action=count, timeout=5.0)
+    started: set[int] = set()
+    write_file = backend._write_file
+
+    def first_writes_meet(tmp: str, path: str, data: memoryview) -> None:
+        if threading.get_ident() not in started:  # each writer's first object
+            started.add(threading.get_ident())
+            together.wait()
+        write_file(tmp, path, data)
+
+    monkeypatch.setattr(backend, "_write_file", first_writes_meet)
+    # 128 objects in 8 runs of 16 (threads=8): the 8 writers start together.
+    assert backend.put_from(k[cap:], Pool(128).slots()) == [PutStatus.STORED] * 128
+    assert seen and seen[0] + 8 <= cap, seen
+    assert backend.used_bytes == cap * OBJECT
+    assert sum(n.endswith(".kv") for _, _, names in os.walk(tmp_path) for n in names) == cap
     backend.close()
