@@ -339,10 +339,11 @@ def _fill_and_queue_a_held_copy(ctl, kind: ComponentKind) -> list[int]:
     return held
 
 
-def _released_while_waiting(ctl, allocation_id: int, call) -> Exception | None:
-    """Run `call` holding the mutex while another thread waits to release
-    `allocation_id`: it gets in when `call` waits for copies (the engine gave up). The
-    queued copy lands only after that release, so room cannot come from it first."""
+def _released_while_waiting(ctl, release_handle, call) -> Exception | None:
+    """Run `call` holding the mutex while another thread waits to `release_handle()` (a
+    lock or an allocation): it gets in when `call` waits for copies (the engine gave up).
+    The queued copy lands only after that release, so room cannot come from it first
+    (and the wait cannot end before the release, however the threads are scheduled)."""
     released = threading.Event()
     copier = ctl.transfers.copier
     original = copier.device_to_host
@@ -353,7 +354,7 @@ def _released_while_waiting(ctl, allocation_id: int, call) -> Exception | None:
 
     def release() -> None:
         try:
-            ctl.release("e1", None, allocation_id)
+            release_handle()
         finally:
             released.set()
 
@@ -382,7 +383,7 @@ def test_an_insert_that_waits_for_a_checkpoint_slot_commits_no_released_pages(ma
     prompt = seq(2, 1000)
     r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=12))
     held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
-    err = _released_while_waiting(ctl, r.allocation_id, lambda: ctl.insert("e1", InsertRequest(
+    err = _released_while_waiting(ctl, lambda: ctl.release("e1", None, r.allocation_id), lambda: ctl.insert("e1", InsertRequest(
         "", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id, keep_lock=True,
         mamba_checkpoint=True)))
     assert isinstance(err, NotFound), err
@@ -397,7 +398,7 @@ def test_growth_that_waits_for_room_leaves_no_pages_in_a_released_allocation(mak
     ctl.attach("e1", 0, 1)
     r = ctl.allocate("e1", AllocateRequest("", 4))
     held = _fill_and_queue_a_held_copy(ctl, FULL)
-    err = _released_while_waiting(ctl, r.allocation_id, lambda: ctl.allocate(
+    err = _released_while_waiting(ctl, lambda: ctl.release("e1", None, r.allocation_id), lambda: ctl.allocate(
         "e1", AllocateRequest("", 4, allocation_id=r.allocation_id)))
     assert isinstance(err, NotFound), err
     for allocation in held:
@@ -488,16 +489,9 @@ def test_allocating_against_a_lock_released_while_waiting_is_not_found(make) -> 
     _, m = _checkpoint_in_l1(ctl)
     assert ctl.transfers.drain(5)
     held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
-    ctl._mu.acquire()
-    t = threading.Thread(target=lambda: ctl.release("e1", m.lock_id, None))
-    t.start()
-    time.sleep(0.2)
-    try:
-        with pytest.raises(NotFound):
-            ctl.allocate("e1", AllocateRequest("", 4, lock_id=m.lock_id))
-    finally:
-        ctl._mu.release()
-        t.join()
+    err = _released_while_waiting(ctl, lambda: ctl.release("e1", m.lock_id, None),
+                                  lambda: ctl.allocate("e1", AllocateRequest("", 4, lock_id=m.lock_id)))
+    assert isinstance(err, NotFound), err
     for allocation in held:
         ctl.release("e1", None, allocation)
 
