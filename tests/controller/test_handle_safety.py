@@ -383,9 +383,10 @@ def test_an_insert_that_waits_for_a_checkpoint_slot_commits_no_released_pages(ma
     prompt = seq(2, 1000)
     r = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=12))
     held = _fill_and_queue_a_held_copy(ctl, ComponentKind.MAMBA)
-    err = _released_while_waiting(ctl, lambda: ctl.release("e1", None, r.allocation_id), lambda: ctl.insert("e1", InsertRequest(
-        "", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id, keep_lock=True,
-        mamba_checkpoint=True)))
+    err = _released_while_waiting(
+        ctl, lambda: ctl.release("e1", None, r.allocation_id),
+        lambda: ctl.insert("e1", InsertRequest("", prompt, lock_id=r.lock_id, allocation_id=r.allocation_id,
+                                               keep_lock=True, mamba_checkpoint=True)))
     assert isinstance(err, NotFound), err
     assert ctl.match("e1", MatchRequest("", prompt)).device_tokens == 0
     for allocation in held:
@@ -398,8 +399,9 @@ def test_growth_that_waits_for_room_leaves_no_pages_in_a_released_allocation(mak
     ctl.attach("e1", 0, 1)
     r = ctl.allocate("e1", AllocateRequest("", 4))
     held = _fill_and_queue_a_held_copy(ctl, FULL)
-    err = _released_while_waiting(ctl, lambda: ctl.release("e1", None, r.allocation_id), lambda: ctl.allocate(
-        "e1", AllocateRequest("", 4, allocation_id=r.allocation_id)))
+    err = _released_while_waiting(
+        ctl, lambda: ctl.release("e1", None, r.allocation_id),
+        lambda: ctl.allocate("e1", AllocateRequest("", 4, allocation_id=r.allocation_id)))
     assert isinstance(err, NotFound), err
     for allocation in held:
         ctl.release("e1", None, allocation)

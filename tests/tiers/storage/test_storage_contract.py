@@ -88,7 +88,7 @@ def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterato
     corrupt: Corrupt
     replace: Replace
     if kind.startswith("file"):
-        # file-threads: every call fanned out over threads, as on a shared filesystem
+        # file-threads: calls spread over threads (`storage.file.threads: 4`)
         threads = 4 if kind == "file-threads" else None
         cfg = storage_config(StorageBackendName.FILE,
                              file=FileStorageConfig(path=str(tmp_path), threads=threads))
