@@ -304,16 +304,12 @@ class Transfers:
         if l3 is None or not l3.takes_writes:
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             return
-        for kind, ids in pages.items():
-            self._hold_l2(kind, ids)
-        writing = self._begin_l3_write(namespace, hashes, pages)
+        writing = self._hold_for_l3(namespace, hashes, pages)
 
         def release(written: int = 0) -> None:
-            l3.end_write(writing)
             with self.ctl._mu:
                 self.stats["backups_l3"] += written
-                for kind, ids in pages.items():
-                    self._unhold_l2(kind, ids)
+                self._release_for_l3(pages, writing)
 
         def run() -> None:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
@@ -321,9 +317,7 @@ class Transfers:
 
         if not self.backup_worker.submit(Job("write-back", run, lambda _e: release())):
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
-            l3.end_write(writing)
-            for kind, ids in pages.items():  # not parked yet: the eviction frees them now
-                self._unhold_l2(kind, ids)
+            self._release_for_l3(pages, writing)  # not parked yet: the eviction frees them now
 
     def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:
         """The nodes that now hold the last `pages` pages of the path to `end`, root
@@ -612,16 +606,12 @@ class Transfers:
             kind: ids for kind in self.ctl._kinds
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
-        for kind, ids in pages.items():
-            self._hold_l2(kind, ids)
+        writing = self._hold_for_l3(namespace, hashes, pages)
         self._queued_l3.add(id(node))
-        writing = self._begin_l3_write(namespace, hashes, pages)
 
         def finish(stored: bool, failed: bool = True) -> None:
-            l3.end_write(writing)
             with self.ctl._mu:
-                for kind, ids in pages.items():
-                    self._unhold_l2(kind, ids)
+                self._release_for_l3(pages, writing)
                 self._queued_l3.discard(id(node))
                 if not stored:
                     self.stats["backups_l3_failed"] += int(failed)
@@ -647,16 +637,29 @@ class Transfers:
             self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
             finish(False, failed=False)
 
-    def _begin_l3_write(self, namespace: str, hashes: bytes,
-                        pages: dict[ComponentKind, np.ndarray]) -> list[Writing]:
-        """Record the pages `_write_l3` will store as in flight (lookups count them as
-        present and reads wait for them: L2 may let go of them before they land)."""
+    def _hold_for_l3(self, namespace: str, hashes: bytes,
+                     pages: dict[ComponentKind, np.ndarray]) -> list[Writing]:
+        """Caller holds the mutex. An L3 write of `pages` is queued: hold them (a free
+        while it runs parks them) and record the pages `_write_l3` will store as in flight
+        (lookups count them as present and reads wait for them: L2 may let go of them
+        before they land). Pass what this returns to `_release_for_l3`, exactly once."""
         l3 = self.ctl.l3
         assert l3 is not None
+        for kind, ids in pages.items():
+            self._hold_l2(kind, ids)
         writing: list[Writing] = []
         for _kind, _ids, targets, members in self._l3_targets(hashes, pages):
             writing += l3.begin_write(namespace, targets, members)
         return writing
+
+    def _release_for_l3(self, pages: dict[ComponentKind, np.ndarray], writing: list[Writing]) -> None:
+        """Caller holds the mutex. The write `_hold_for_l3` recorded landed, was given up
+        or dropped: it is no longer in flight, and its pages are no longer held."""
+        l3 = self.ctl.l3
+        assert l3 is not None
+        l3.end_write(writing)
+        for kind, ids in pages.items():
+            self._unhold_l2(kind, ids)
 
     def _l3_targets(self, hashes: bytes, pages: dict[ComponentKind, np.ndarray]
                     ) -> Iterator[tuple[ComponentKind, np.ndarray, list[PageHash], tuple[MemberSpec, ...]]]:
