@@ -9,6 +9,7 @@ node must be split.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -25,8 +26,18 @@ from hicache.tree.sessions import SessionTable
 from hicache.types import ComponentKind, EvictionPolicy, Tier
 
 _EMPTY = np.empty(0, dtype=np.int64)
-_ONE_ID = np.zeros(1, dtype=np.int64)  # (copied for a MAMBA checkpoint: cheaper than np.array)
+# Checkpoint slots below this get their one-id arrays as views of one shared arange.
+_POINT_IDS_MAX = 1 << 20
 _PAGED_MASK = (1 << PAGED_TIERS) - 1
+# The absent mask of int64 page ids (1 where negative). Up to a few hundred ids it comes
+# from each id's sign byte by bytes operations: a numpy comparison, 0.6 µs timed alone,
+# costs 2-4 µs inside a request (its dispatch runs in cold caches). Past that, copying
+# 8 bytes an id costs more than the comparison saves.
+_SIGN_BYTE = 7 if sys.byteorder == "little" else 0
+_ABSENT = bytes(int(b >= 0x80) for b in range(256))
+_BYTES_MASK_MAX = 512
+_less = np.less
+_INT64 = np.dtype(np.int64)
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
@@ -122,6 +133,10 @@ class HiRadixTree:
         self._offered_new = frozenset(c.index for c in self._page_comps if not c.child_sensitive)
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._model_id, self._kv_dtype = model_id, kv_dtype
+        self._point_ids = np.arange(1024, dtype=np.int64)  # see `_point`
+        self._point_ids.flags.writeable = False
+        self._minus = np.full(1024, -1, dtype=np.int64)  # see `_window_ids`
+        self._minus.flags.writeable = False
         self._roots: dict[str, Node] = {}
         self._tick = 0
         self._lfu = policy is EvictionPolicy.LFU
@@ -281,11 +296,25 @@ class HiRadixTree:
                 value = path[n - 1].res[slot] if n else None
                 out[comp.kind] = value if value is not None else _EMPTY
                 continue
+            w = comp.window_pages
+            if w and n and top[-1].depth > w:
+                windowed = self._window_ids(top, slot, w)
+                if windowed is not None:
+                    out[comp.kind] = windowed
+                    continue
             parts = [node.res[slot] for node in top]
-            if not any(p is None for p in parts) and not (
-                comp.partial_tail and any(nd.mask[comp.index] & PARTIAL for nd in top)
-            ):
-                out[comp.kind] = _cat(parts)  # type: ignore[arg-type]
+            if n == 1 and parts[0] is not None and len(parts[0]) == top[0].npages:  # type: ignore[arg-type]
+                out[comp.kind] = parts[0]  # type: ignore[assignment]
+                continue
+            # Usually every slot is held whole: one concatenation, which fails on a
+            # tombstone (None) and comes out short on a partial slot, both rarer than
+            # scanning the path for them first (one pass each, every match).
+            try:
+                joined = np.concatenate(parts) if n else _EMPTY  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                joined = None
+            if joined is not None and len(joined) == (top[-1].depth if n else 0):
+                out[comp.kind] = joined
                 continue
             # Tombstones (SWA outside the window) read as -1: fill in what is held (a
             # partial slot is its node's tail).
@@ -295,6 +324,35 @@ class HiRadixTree:
                     ids[node.depth - len(held) : node.depth] = held
             out[comp.kind] = ids
         return out
+
+    def _window_ids(self, top: Sequence[Node], slot: int, w: int) -> np.ndarray | None:
+        """A windowed component's ids for the prefix ending at `top[-1]`: the held ids of
+        its last `w` pages, -1 before them (reuse reads only the window, so the ids there
+        are neither copied nor sent). None when some page of the window is not held in
+        that slot (then the caller fills in what is)."""
+        parts: list[np.ndarray] = []
+        need = w
+        j = len(top) - 1
+        while need > 0:
+            node = top[j]
+            held = node.res[slot]
+            take = need if need < node.npages else node.npages
+            if held is None or len(held) < take:
+                return None
+            parts.append(held if take == len(held) else held[len(held) - take :])
+            need -= take
+            j -= 1
+        before = top[-1].depth - w
+        minus = self._minus
+        if len(minus) < before:
+            size = len(minus)
+            while size < before:
+                size *= 2
+            minus = self._minus = np.full(size, -1, dtype=np.int64)
+            minus.flags.writeable = False
+        parts.append(minus[:before])
+        parts.reverse()
+        return np.concatenate(parts)
 
     # ------------------------------------------------------------------ locks
 
@@ -602,8 +660,10 @@ class HiRadixTree:
                     raise InvalidArgument(f"pages[{comp.kind.value}]: missing ({n} pages expected)")
                 out[comp.index] = _EMPTY
                 continue
-            # One private int64 copy per call: the tree never aliases the caller's array.
-            arr = np.array(given, dtype=np.int64)
+            # The tree never aliases the caller's array: an int64 array (the usual case) is
+            # read here and only the parts the tree keeps are copied, where it keeps them
+            # (`_add_suffix`, `_reconcile`): of an SWA array mostly -1, only the window.
+            arr = given if type(given) is np.ndarray and given.dtype is _INT64 else np.array(given, dtype=np.int64)
             if arr.ndim != 1 or len(arr) != n:
                 raise InvalidArgument(
                     f"pages[{comp.kind.value}]: {len(arr)} page ids for {n} new pages of tokens"
@@ -611,7 +671,10 @@ class HiRadixTree:
             if n and (arr.item(0) < 0 or min_of(arr) < 0):  # (SWA's gaps usually lead)
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
-                gapped[comp.index] = (arr < 0).tobytes()
+                gapped[comp.index] = (
+                    arr.tobytes()[_SIGN_BYTE::8].translate(_ABSENT) if n <= _BYTES_MASK_MAX
+                    else _less(arr, 0).tobytes()
+                )
             out[comp.index] = arr
         if len(pages) != known:
             self._refuse_unknown(pages)
@@ -666,7 +729,7 @@ class HiRadixTree:
             if ci == FULL_INDEX or res[FULL_INDEX * PAGED_TIERS + tier] is not None:
                 take = self._adoptable(node, ci, tier, absent, dropped)
             if take:
-                self._set(node, self.components[ci], tier, ids if take == n else ids[n - take :])
+                self._set(node, self.components[ci], tier, (ids if take == n else ids[n - take :]).copy())
             self._release_present(ids[: n - take], released[ci])
 
     def _by_component(self, pairs: list[tuple[int, np.ndarray]]) -> dict[ComponentKind, np.ndarray]:
@@ -727,6 +790,9 @@ class HiRadixTree:
         in one pass (nothing locked, no other tier, no children yet; the MAMBA checkpoint
         on the last one): the bookkeeping of `_set`, done once per node."""
         cuts = [pos, total]
+        # Per gapped component, where its present pages start in the single piece (offset
+        # into the given ids; -1: a tombstone), found here once for the usual case.
+        firsts: dict[int, int] = {}
         if gapped:
             breaks: list[int] = []
             a, b = pos - begin, total - begin
@@ -737,10 +803,12 @@ class HiRadixTree:
                 first = absent.find(b"\x00", a, b)
                 if first < 0 or (absent.find(b"\x01", first, b) < 0
                                  and (first == a or ci in self._tails)):
+                    firsts[ci] = first
                     continue
                 breaks.extend(self.components[ci].split_breaks(absent[a:b]))
             if breaks:
                 cuts = [pos, *sorted({x + pos for x in breaks}), total]
+                firsts = {}
         pb = self._pb
         ncomp = self._ncomp
         bit = 1 << tier
@@ -759,19 +827,19 @@ class HiRadixTree:
             mask, res = child.mask, child.res
             a, b = lo - begin, hi - begin
             for ci, arr in provided.items():
-                ids = arr[a:b]
-                if gapped:  # a piece is absent pages, then present ones: keep the present tail
-                    gaps = gapped.get(ci)
-                    if gaps is not None:
-                        first = gaps.find(b"\x00", a, b)
-                        if first != a:
-                            if first < 0 or ci not in tails:
-                                continue  # a tombstone (SWA pages freed out of window)
-                            ids = ids[first - a :]
-                            mask[ci] = PARTIAL
+                if gapped and ci in gapped:
+                    # A piece is absent pages, then present ones: keep the present tail.
+                    first = firsts[ci] if ci in firsts else gapped[ci].find(b"\x00", a, b)
+                    if first < 0 or (first != a and ci not in tails):
+                        continue  # a tombstone (SWA pages freed out of window)
+                    ids = arr[first:b]
+                    if first != a:
+                        mask[ci] = PARTIAL
+                else:
+                    ids = arr[a:b]
                 mask[ci] |= bit
                 resident[ci] += len(ids)
-                res[ci * PAGED_TIERS + tier] = ids
+                res[ci * PAGED_TIERS + tier] = ids.copy()
                 if ci == FULL_INDEX:  # `_full_arrived`, inlined
                     node.nres[tier] += 1
                     if moved is not None and node.parent is not None:  # `_window_moved`
@@ -782,8 +850,8 @@ class HiRadixTree:
                 if ci in offered:  # (a new node has no children: child-sensitive slots wait)
                     queues[ci].offer(child)
             if checkpoint is not None and hi == total:
-                point = _ONE_ID.copy()
-                point[0] = checkpoint
+                known = self._point_ids
+                point = known[checkpoint : checkpoint + 1] if 0 <= checkpoint < len(known) else self._point(checkpoint)
                 for ci in self._points:  # (one page each; never child-sensitive)
                     mask[ci] |= bit
                     resident[ci] += 1
@@ -792,9 +860,25 @@ class HiRadixTree:
             node = child
         return node
 
+    def _point(self, slot: int) -> np.ndarray:
+        """The one-id array of a checkpoint slot: a read-only view into `_point_ids`
+        (grown by doubling up to _POINT_IDS_MAX ids), a fresh array past that. A view costs
+        one numpy call where a new array costs two, in every insert that keeps one."""
+        known = self._point_ids
+        if 0 <= slot < _POINT_IDS_MAX:
+            if slot >= len(known):
+                size = len(known)
+                while size <= slot:
+                    size *= 2
+                known = np.arange(min(size, _POINT_IDS_MAX), dtype=np.int64)
+                known.flags.writeable = False
+                self._point_ids = known
+            return known[slot : slot + 1]
+        return np.array([slot], dtype=np.int64)
+
     def _place_checkpoint(self, node: Node, slot: int, released: list[list[np.ndarray]],
                           tier: int) -> None:
-        ids = np.array([slot], dtype=np.int64)
+        ids = self._point(slot)
         for comp in self._point_comps:
             ci = comp.index
             held = node.res[ci * PAGED_TIERS + tier]

@@ -34,7 +34,8 @@ class MatchResult:
     `storage_tokens` more known (to the tree) to be in L3.
 
     `device_pages[kind]` are the L1 page ids of the device prefix: FULL and SWA one id per
-    page (-1 where an SWA slot is a tombstone outside the window), MAMBA the checkpoint
+    page (SWA: -1 before the window that ends at the boundary, which is all reuse reads,
+    whether the tree holds those pages or they are tombstones), MAMBA the checkpoint
     slot at the device boundary (empty when the boundary is the root)."""
 
     device_tokens: int

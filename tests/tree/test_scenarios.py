@@ -42,10 +42,26 @@ def test_four_node_path_deepest_safe_boundary(swa: bool, mamba: bool, boundary: 
     assert m.host_tokens == m.storage_tokens == 0
     assert m.matched_tokens == 16
     assert list(m.device_pages[FULL]) == list(range(boundary // 4))
-    if swa:
-        assert list(m.device_pages[SWA]) == [0, 1, -1, 3][: boundary // 4]
+    if swa:  # the window (one page) before the boundary; -1 before it, held or not
+        assert list(m.device_pages[SWA]) == {16: [-1, -1, -1, 3], 8: [-1, 1]}[boundary]
     if mamba:
         assert list(m.device_pages[MAMBA]) == [102]
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize(("window_pages", "want"), [(2, [-1, -1, -1, 14, 15]), (3, [-1, -1, 13, 14, 15])])
+def test_a_match_hands_out_the_swa_ids_of_the_window_only(window_pages: int, want: list[int]) -> None:
+    """The engine reads SWA data only inside the window before the boundary: the ids
+    before it read -1 although the tree holds them (they are neither copied nor sent),
+    and a window that starts inside a node takes that node's last pages."""
+    tree = make_tree(4, swa_window=4 * window_pages)
+    tree.insert("", seq(0, 12), {FULL: ids(1, 2, 3), SWA: ids(11, 12, 13)})
+    tree.insert("", seq(0, 20), {FULL: ids(1, 2, 3, 4, 5), SWA: ids(11, 12, 13, 14, 15)})
+    m = tree.match("", seq(0, 20))
+    assert m.device_tokens == 20 and list(m.device_pages[FULL]) == [1, 2, 3, 4, 5]
+    assert list(m.device_pages[SWA]) == want
+    assert list(tree.match("", seq(0, 8)).device_pages[SWA]) == [11, 12]  # within one window: all
+    assert tree.resident_pages(Tier.DEVICE, SWA) == 5  # still held, only not handed out
     tree.check_integrity()
 
 
@@ -465,4 +481,26 @@ def test_a_locked_tail_never_grows_even_when_no_other_tier_holds_it() -> None:
     tree.unlock(pin)
     r = tree.insert("", seq(0, 16), {FULL: ids(5, 6, 7, 8), SWA: ids(31, 32, 33, 34)})
     assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [31, 32, 13, 14]
+    tree.check_integrity()
+
+
+def test_the_tree_keeps_its_own_copy_of_the_page_ids_it_is_given() -> None:
+    """Writing into the arrays a caller passed, after the insert, changes nothing in the
+    tree: the ids of new nodes (an SWA tail out of a mostly -1 array included) and the
+    ids adopted into a slot an existing node lacked are the tree's own copies."""
+    tree = make_tree(4, swa_window=8, mamba=True)
+    full, swa = ids(1, 2, 3, 4), ids(-1, -1, 13, 14)
+    tree.insert("", seq(0, 16), {FULL: full, SWA: swa}, mamba_slot=7)
+    full[:], swa[:] = 999, 999
+    (node,) = tree.iter_nodes()
+    assert list(tree.pages_of(node, FULL, Tier.DEVICE)) == [1, 2, 3, 4]
+    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [13, 14]
+    assert list(tree.pages_of(node, MAMBA, Tier.DEVICE)) == [7]
+    tree.set_resident(node, FULL, Tier.HOST, ids(51, 52, 53, 54))
+    tree.evict(Tier.DEVICE, FULL, 4)  # L1 copy gone: the next insert adopts its ids
+    full, swa = ids(5, 6, 7, 8), ids(21, 22, 23, 24)
+    tree.insert("", seq(0, 16), {FULL: full, SWA: swa})
+    full[:], swa[:] = 999, 999
+    assert list(tree.pages_of(node, FULL, Tier.DEVICE)) == [5, 6, 7, 8]
+    assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [21, 22, 23, 24]
     tree.check_integrity()
