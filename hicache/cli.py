@@ -100,8 +100,11 @@ def _serve_overrides(args: argparse.Namespace) -> list[str]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _serve_overrides(args))
+    from hicache import allocator
     from hicache.server import serve
 
+    # The daemon's process: large page-id arrays from the heap (see hicache.allocator).
+    allocator.tune()
     return serve(cfg)
 
 
