@@ -14,11 +14,12 @@ import itertools
 import json
 import time
 import tracemalloc
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from hicache import allocator
 from hicache.tree import HiRadixTree
 from hicache.types import ComponentKind, Tier
 
@@ -89,6 +90,52 @@ def run_workload(
     window: int = 4096,
     seed: int = 0,
 ) -> Figures:
+    """One configuration's run, alone."""
+    return _drive([_workload(page_size, spec, budget_tokens, conversations, turns,
+                             system_tokens, turn_tokens, window, seed)])[0]
+
+
+def run_paired(page_size: int, budget_tokens: int, conversations: int = 48, turns: int = 20,
+               specs: tuple[str, str] = ("full", "full,swa,mamba")) -> tuple[Figures, Figures]:
+    """Two configurations on the same workload (same seed), request by request in turn:
+    a burst of load from elsewhere on the machine lands on both alike, so their ratio
+    is measured in one run rather than across two stretches of time."""
+    a, b = _drive([_workload(page_size, spec, budget_tokens, conversations, turns) for spec in specs])
+    return a, b
+
+
+def _drive(runs: list[Generator[None, None, Figures]]) -> list[Figures]:
+    """Step each workload one request at a time, in turn, until all have finished
+    (the garbage collector off throughout, as it is in a timed section)."""
+    out: dict[int, Figures] = {}
+    gc.collect()
+    gc.disable()
+    try:
+        while len(out) < len(runs):
+            for i, steps in enumerate(runs):
+                if i in out:
+                    continue
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    out[i] = done.value
+    finally:
+        gc.enable()
+    return [out[i] for i in range(len(runs))]
+
+
+def _workload(
+    page_size: int,
+    spec: str,
+    budget_tokens: int,
+    conversations: int = 48,
+    turns: int = 20,
+    system_tokens: int = 2048,
+    turn_tokens: int = 1024,
+    window: int = 4096,
+    seed: int = 0,
+) -> Generator[None, None, Figures]:
+    """The workload, yielding after each request; returns the figures."""
     rng = np.random.default_rng(seed)
     kinds = _components(spec, window)
     tree = HiRadixTree(page_size, kinds)
@@ -110,63 +157,59 @@ def run_workload(
     evict_t: list[float] = []
     evictions = 0
     clock = time.perf_counter
-    gc.collect()
-    gc.disable()
-    try:
-        for _turn in range(turns):
-            for c in range(conversations):
-                turn = rng.integers(0, 150_000, turn_tokens, dtype=np.uint32)
-                histories[c] = np.concatenate([histories[c], turn])
-                prompt = histories[c].astype("<u4").tobytes()
-                t0 = clock()
-                m = tree.match("", prompt, lock=True)
-                match_t.append(clock() - t0)
-                reused += m.device_tokens
-                total = (len(prompt) // 4) // page_size
-                start = m.device_tokens // page_size
-                need = total - start
-                # The tree knows more of the prompt than the hybrid boundary lets the
-                # engine reuse (a shared prefix whose MAMBA state was never kept): the
-                # engine recomputes from the boundary and, passing the junction, keeps
-                # the MAMBA state and SWA window there, as vLLM's fine-grained Mamba
-                # prefix cache does, so the next request resumes at the junction.
-                junction = m.matched_tokens // page_size if K.MAMBA in kinds else start
-                cuts = [start, junction, total] if start < junction < total else [start, total]
-                # Like an SWA engine, the simulated one keeps SWA KV only for the window
-                # before each checkpoint: pages before it were freed during prefill and
-                # are passed as -1 (the tree records tombstones there).
-                keeps = [min(b - a, window_pages) for a, b in itertools.pairwise(cuts)]
-                wants = {K.FULL: need, K.SWA: sum(keeps), K.MAMBA: len(keeps)}
-                for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
-                    want = wants[kind]
-                    # A component's own eviction first (SWA: out-of-window tombstones,
-                    # MAMBA: checkpoints), then whole leaves, which free every slot.
-                    for victim_kind in (kind, K.FULL):
-                        if kind not in kinds or len(pool.free) >= want:
-                            break
-                        t0 = clock()
-                        ev = tree.evict(Tier.DEVICE, victim_kind, want - len(pool.free))
-                        evict_t.append(clock() - t0)
-                        evictions += 1
-                        give_back(ev.freed)
-                full_ids = full.take(need)
-                spent = 0.0
-                for i, (a, b) in enumerate(itertools.pairwise(cuts)):
-                    new = {K.FULL: full_ids[a - start : b - start]}
-                    if K.SWA in kinds:
-                        ids = np.full(b - a, -1, dtype=np.int64)
-                        ids[b - a - keeps[i] :] = swa.take(keeps[i])
-                        new[K.SWA] = ids
-                    slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
-                    last = b == total
+    for _turn in range(turns):
+        for c in range(conversations):
+            turn = rng.integers(0, 150_000, turn_tokens, dtype=np.uint32)
+            histories[c] = np.concatenate([histories[c], turn])
+            prompt = histories[c].astype("<u4").tobytes()
+            t0 = clock()
+            m = tree.match("", prompt, lock=True)
+            match_t.append(clock() - t0)
+            reused += m.device_tokens
+            total = (len(prompt) // 4) // page_size
+            start = m.device_tokens // page_size
+            need = total - start
+            # The tree knows more of the prompt than the hybrid boundary lets the
+            # engine reuse (a shared prefix whose MAMBA state was never kept): the
+            # engine recomputes from the boundary and, passing the junction, keeps
+            # the MAMBA state and SWA window there, as vLLM's fine-grained Mamba
+            # prefix cache does, so the next request resumes at the junction.
+            junction = m.matched_tokens // page_size if K.MAMBA in kinds else start
+            cuts = [start, junction, total] if start < junction < total else [start, total]
+            # Like an SWA engine, the simulated one keeps SWA KV only for the window
+            # before each checkpoint: pages before it were freed during prefill and
+            # are passed as -1 (the tree records tombstones there).
+            keeps = [min(b - a, window_pages) for a, b in itertools.pairwise(cuts)]
+            wants = {K.FULL: need, K.SWA: sum(keeps), K.MAMBA: len(keeps)}
+            for pool, kind in ((full, K.FULL), (swa, K.SWA), (mamba, K.MAMBA)):
+                want = wants[kind]
+                # A component's own eviction first (SWA: out-of-window tombstones,
+                # MAMBA: checkpoints), then whole leaves, which free every slot.
+                for victim_kind in (kind, K.FULL):
+                    if kind not in kinds or len(pool.free) >= want:
+                        break
                     t0 = clock()
-                    r = tree.insert("", prompt if last else prompt[: b * page_size * 4], new,
-                                    lock=m.lock, keep_lock=not last, mamba_slot=slot)
-                    spent += clock() - t0
-                    give_back(r.released)
-                insert_t.append(spent)
-    finally:
-        gc.enable()
+                    ev = tree.evict(Tier.DEVICE, victim_kind, want - len(pool.free))
+                    evict_t.append(clock() - t0)
+                    evictions += 1
+                    give_back(ev.freed)
+            full_ids = full.take(need)
+            spent = 0.0
+            for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+                new = {K.FULL: full_ids[a - start : b - start]}
+                if K.SWA in kinds:
+                    ids = np.full(b - a, -1, dtype=np.int64)
+                    ids[b - a - keeps[i] :] = swa.take(keeps[i])
+                    new[K.SWA] = ids
+                slot = int(mamba.take(1)[0]) if K.MAMBA in kinds else None
+                last = b == total
+                t0 = clock()
+                r = tree.insert("", prompt if last else prompt[: b * page_size * 4], new,
+                                lock=m.lock, keep_lock=not last, mamba_slot=slot)
+                spent += clock() - t0
+                give_back(r.released)
+            insert_t.append(spent)
+            yield
     tree.check_integrity()
     for kind in kinds:  # every page id is either free or held by the tree: nothing leaked
         held = tree.resident_pages(Tier.DEVICE, kind)
@@ -200,9 +243,9 @@ def _metadata_bytes(tree: HiRadixTree) -> tuple[int, int]:
             total += sys.getsizeof(lst)
         for arr in node.res:
             if arr is not None:
-                total += sys.getsizeof(arr)
-                base = arr.base if arr.base is not None else arr
-                if id(base) not in seen:
+                total += sys.getsizeof(arr)  # (with its data when it owns it)
+                base = arr.base
+                if base is not None and id(base) not in seen:  # a view: its base once
                     seen.add(id(base))
                     total += base.nbytes
         if node.hashes is not None:
@@ -241,7 +284,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5,
-                   help="runs per configuration, interleaved; each figure is the best round's")
+                   help="side-by-side runs of FULL and the hybrid per page size and budget")
     p.add_argument("--quick", action="store_true", help="fewer configurations (CI smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
@@ -250,48 +293,41 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds: {args.rounds} (at least 1)")
     tracemalloc.stop()
-    configs = [
-        (64, "full", 2_000_000), (64, "full,swa,mamba", 2_000_000),
-        (64, "full", 262_144), (64, "full,swa,mamba", 262_144),
-        (1, "full", 2_000_000), (1, "full,swa,mamba", 2_000_000),
-        (1, "full", 262_144), (1, "full,swa,mamba", 262_144),
-    ]
+    allocator.tune()  # as `hicache serve` runs the tree
+    pairs = [(64, 2_000_000), (64, 262_144), (1, 2_000_000), (1, 262_144)]
     if args.quick:
-        configs = configs[:2]
-    rows = []
+        pairs = pairs[:1]
     hdr = (f"{'page':>4} {'components':<15} {'budget':>9} {'match mean/p50/p99 us':>24} "
            f"{'insert mean/p50/p99 us':>24} {'evict mean/p99 us':>18} {'meta B/page':>11} {'keys B/page':>11} "
            f"{'reused tok':>10}")
     print(hdr)
-    # Rounds interleave the configurations, so load from elsewhere on the machine weighs
-    # on FULL and hybrid alike; each configuration shows its best round (lowest match +
-    # insert mean: noise only ever adds time), and the ratios compare those.
-    runs: dict[tuple[int, str, int], list[Figures]] = {c: [] for c in configs}
-    for _ in range(args.rounds):
-        for config in configs:
-            runs[config].append(run_workload(*config, args.conversations, args.turns))
-    best = {c: min(rs, key=lambda r: r.match_us_mean + r.insert_us_mean) for c, rs in runs.items()}
-    for config in configs:
-        f = best[config]
-        rows.append(f)
-        print(f"{f.page_size:>4} {f.components:<15} {f.budget_tokens:>9} "
-              f"{f.match_us_mean:8.1f}/{f.match_us_p50:6.1f}/{f.match_us_p99:7.1f} "
-              f"{f.insert_us_mean:8.1f}/{f.insert_us_p50:6.1f}/{f.insert_us_p99:7.1f} "
-              f"{f.evict_us_mean:8.1f}/{f.evict_us_p99:8.1f} "
-              f"{f.metadata_bytes_per_page:11.1f} {f.token_key_bytes_per_page:11.1f} "
-              f"{f.reused_tokens_mean:10.0f}")
-    ratios = {}
-    for page, spec, budget in configs:
-        full = best.get((page, "full", budget))
-        if full is None or spec == "full":
-            continue
-        key = f"p{page}_{budget}"
-        hybrid = best[(page, spec, budget)]
-        ratios[f"hybrid_vs_full_match_{key}"] = hybrid.match_us_mean / full.match_us_mean
-        ratios[f"hybrid_vs_full_insert_{key}"] = hybrid.insert_us_mean / full.insert_us_mean
-    print(f"\nFULL+SWA+MAMBA / FULL alone (mean, best of {args.rounds} rounds):")
+    # FULL and the hybrid run side by side, request by request in turn (`run_paired`), so
+    # load from elsewhere on the machine weighs on both alike. Per pair of configurations,
+    # the table shows the round with the lowest FULL + hybrid match + insert mean (noise
+    # only ever adds time), and each ratio is the median over the rounds of that round's
+    # hybrid / FULL.
+    rows: list[Figures] = []
+    ratios: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
+    for page, budget in pairs:
+        runs = [run_paired(page, budget, args.conversations, args.turns) for _ in range(args.rounds)]
+        full, hybrid = min(runs, key=lambda r: sum(f.match_us_mean + f.insert_us_mean for f in r))
+        rows += [full, hybrid]
+        for f in (full, hybrid):
+            print(f"{f.page_size:>4} {f.components:<15} {f.budget_tokens:>9} "
+                  f"{f.match_us_mean:8.1f}/{f.match_us_p50:6.1f}/{f.match_us_p99:7.1f} "
+                  f"{f.insert_us_mean:8.1f}/{f.insert_us_p50:6.1f}/{f.insert_us_p99:7.1f} "
+                  f"{f.evict_us_mean:8.1f}/{f.evict_us_p99:8.1f} "
+                  f"{f.metadata_bytes_per_page:11.1f} {f.token_key_bytes_per_page:11.1f} "
+                  f"{f.reused_tokens_mean:10.0f}")
+        for op in ("match", "insert"):
+            key = f"hybrid_vs_full_{op}_p{page}_{budget}"
+            per_round[key] = [getattr(h, f"{op}_us_mean") / getattr(f, f"{op}_us_mean") for f, h in runs]
+            ratios[key] = float(np.median(per_round[key]))
+    print(f"\nFULL+SWA+MAMBA / FULL alone (mean per request, side by side; median of {args.rounds} rounds, "
+          "and the rounds' range):")
     for k, v in ratios.items():
-        print(f"  {k}: {v:.2f}x")
+        print(f"  {k}: {v:.2f}x  ({min(per_round[k]):.2f}-{max(per_round[k]):.2f})")
     growth = prompt_growth(64, "full") if not args.quick else []
     if growth:
         print("\nmatch cost vs prompt length (page 64, FULL, median us):")
@@ -299,5 +335,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"configs": [asdict(r) for r in rows], "ratios": ratios,
-                       "match_vs_prompt_tokens": growth}, fh, indent=2)
+                       "ratio_rounds": per_round, "match_vs_prompt_tokens": growth}, fh, indent=2)
     return 0

@@ -39,6 +39,16 @@ def test_hybrid_resumes_where_full_does_under_eviction() -> None:
     assert hybrid.reused_tokens_mean >= 0.9 * full.reused_tokens_mean
 
 
+def test_side_by_side_runs_do_the_same_work_as_runs_alone() -> None:
+    # Pairing only changes when each request runs, not what it does: the same requests,
+    # boundaries, evictions and tree, whichever configuration runs beside it.
+    alone = [bench.run_workload(64, spec, 16384, conversations=4, turns=6) for spec in ("full", "full,swa,mamba")]
+    paired = bench.run_paired(64, 16384, conversations=4, turns=6)
+    for a, p in zip(alone, paired, strict=True):
+        assert (p.components, p.requests, p.evictions, p.reused_tokens_mean, p.metadata_bytes_per_page) == (
+            a.components, a.requests, a.evictions, a.reused_tokens_mean, a.metadata_bytes_per_page)
+
+
 def test_run_writes_the_figures_and_ratios(tmp_path) -> None:
     out = tmp_path / "tree.json"
     assert bench.run(parse("--quick", "--conversations", "3", "--turns", "2", "--rounds", "2",
@@ -50,6 +60,9 @@ def test_run_writes_the_figures_and_ratios(tmp_path) -> None:
                     "insert_us_p99", "evict_us_mean", "metadata_bytes_per_page"):
             assert c[key] >= 0, key
     assert set(data["ratios"]) == {"hybrid_vs_full_match_p64_2000000", "hybrid_vs_full_insert_p64_2000000"}
+    for key, value in data["ratios"].items():  # the median of the rounds' ratios
+        rounds = data["ratio_rounds"][key]
+        assert len(rounds) == 2 and min(rounds) <= value <= max(rounds)
 
 
 def test_rounds_below_one_are_refused() -> None:
