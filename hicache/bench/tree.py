@@ -79,20 +79,9 @@ def _stats(xs: list[float]) -> tuple[float, float, float]:
     return float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def run_workload(
-    page_size: int,
-    spec: str,
-    budget_tokens: int,
-    conversations: int = 48,
-    turns: int = 20,
-    system_tokens: int = 2048,
-    turn_tokens: int = 1024,
-    window: int = 4096,
-    seed: int = 0,
-) -> Figures:
-    """One configuration's run, alone."""
-    return _drive([_workload(page_size, spec, budget_tokens, conversations, turns,
-                             system_tokens, turn_tokens, window, seed)])[0]
+def run_workload(page_size: int, spec: str, budget_tokens: int, **workload: int) -> Figures:
+    """One configuration's run, alone (`workload`: `_workload`'s keyword parameters)."""
+    return _drive([_workload(page_size, spec, budget_tokens, **workload)])[0]
 
 
 def run_paired(page_size: int, budget_tokens: int, conversations: int = 48, turns: int = 20,

@@ -52,7 +52,8 @@ class InsertResult:
     inserted_tokens: int  # tokens new to the topology
     reused_tokens: int  # tokens the tree already held
     # Page ids the caller passed but the tree did not take (it held those pages already):
-    # the caller frees them. FULL/SWA per page, MAMBA the checkpoint slot.
+    # the caller frees them. FULL/SWA per page, MAMBA the checkpoint slot. They may be
+    # views of the arrays the caller passed (the tree copies only what it keeps).
     released: Mapping[ComponentKind, np.ndarray]
     end: NodeHandle | None
     # Page ids of the OTHER paged tier (L2 for an insert into L1, L1 for one into L2) the
