@@ -4,6 +4,8 @@
 20 turns, round-robin over conversations. Per request: match (with a lock) then insert of
 the whole prompt (the lock's prefix is reused, the new pages are committed). Token bytes
 and page ids are prepared outside the timers. Eviction runs when the L1 budget is short.
+FULL alone and FULL+SWA+MAMBA step through the workload side by side, one request each in
+turn (`run_paired`), so that their ratio is measured in one run.
 """
 
 from __future__ import annotations
