@@ -504,3 +504,20 @@ def test_the_tree_keeps_its_own_copy_of_the_page_ids_it_is_given() -> None:
     assert list(tree.pages_of(node, FULL, Tier.DEVICE)) == [5, 6, 7, 8]
     assert list(tree.pages_of(node, SWA, Tier.DEVICE)) == [21, 22, 23, 24]
     tree.check_integrity()
+
+
+@pytest.mark.parametrize("slot", [7, 5000, (1 << 20) + 5])
+def test_a_checkpoint_slot_reads_back_whatever_its_number(slot: int) -> None:
+    """A checkpoint's one-id array is a read-only view of a shared range (grown on demand
+    up to 2**20 slots) or, past that, an array of its own: either way it reads back the
+    slot given, and nobody can write into the shared range through it."""
+    tree = make_tree(4, mamba=True)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2)}, mamba_slot=slot)
+    tree.insert("", seq(0, 12), {FULL: ids(1, 2, 3)}, mamba_slot=slot + 1)
+    nodes = sorted(tree.iter_nodes(), key=tree.depth_tokens)
+    assert [list(tree.pages_of(n, MAMBA, Tier.DEVICE)) for n in nodes] == [[slot], [slot + 1]]
+    point = tree.pages_of(nodes[0], MAMBA, Tier.DEVICE)
+    if slot < 1 << 20:
+        with pytest.raises(ValueError):
+            point[0] = 0
+    tree.check_integrity()
