@@ -7,8 +7,10 @@ the heap to the kernel once 128 KiB of it is free. A page-id array of 16K ids (a
 faulted its pages in again: ~40 page faults a request in `hicache bench tree`, where
 FULL's match of a 128K-token prompt took 162 us with the defaults and 94 us with `tune()`.
 `tune()` raises both thresholds once, at start, so such arrays come from the heap, whose
-memory stays mapped. The cost is memory the heap keeps instead of returning: at most
-`trim_threshold` bytes beyond what the process has in use.
+memory stays mapped. The cost: memory such arrays free stays with the process for its
+next allocations rather than going back to the kernel at once (freed chunks inside the
+heap never did; now the large ones are among them), so the process keeps up to the peak
+it had in use, plus up to `trim_threshold` bytes at the heap's top.
 """
 
 from __future__ import annotations
