@@ -91,8 +91,9 @@ def run_paired(page_size: int, budget_tokens: int, conversations: int = 48, turn
     """Two configurations on the same workload (same seed), request by request in turn:
     a burst of load from elsewhere on the machine lands on both alike, so their ratio
     is measured in one run rather than across two stretches of time."""
-    a, b = _drive([_workload(page_size, spec, budget_tokens, conversations, turns) for spec in specs])
-    return a, b
+    first, second = _drive([_workload(page_size, spec, budget_tokens, conversations, turns)
+                            for spec in specs])
+    return first, second
 
 
 def _drive(runs: list[Generator[None, None, Figures]]) -> list[Figures]:

@@ -521,3 +521,16 @@ def test_a_checkpoint_slot_reads_back_whatever_its_number(slot: int) -> None:
         with pytest.raises(ValueError):
             point[0] = 0
     tree.check_integrity()
+
+
+def test_a_window_far_down_a_long_prefix_is_minus_one_before_it() -> None:
+    """Past 1,024 pages before the window, the shared run of -1s the SWA result is cut
+    from grows; two matches of different depths each get their own, whole result."""
+    tree = make_tree(1, swa_window=2)
+    n = 3000
+    tree.insert("", seq(0, n), {FULL: np.arange(n, dtype=np.int64), SWA: np.arange(n, dtype=np.int64) + 10_000})
+    short = tree.match("", seq(0, 700)).device_pages[SWA]
+    deep = tree.match("", seq(0, n)).device_pages[SWA]
+    assert deep.tolist() == [-1] * (n - 2) + [10_000 + n - 2, 10_000 + n - 1]
+    assert short.tolist() == [-1] * 698 + [10_698, 10_699]
+    tree.check_integrity()
