@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # marks a repeated field.
 Spec = Mapping[str, Any]
 
-MEMBER_PAGES: Spec = {"member": None, "page_ids[]": None}
+MEMBER_PAGES: Spec = {"member": None, "page_ids": None}
 
 # service -> RPC -> (request fields, response fields), as API.md lists them.
 API: dict[str, dict[str, tuple[Spec, Spec]]] = {
@@ -272,6 +272,18 @@ def test_every_tokens_field_is_bytes() -> None:
     assert not hicache_pb2.MatchPrefixRequest.DESCRIPTOR.fields_by_name["tokens"].is_repeated
 
 
+def test_page_ids_are_bytes_and_the_old_field_number_is_reserved() -> None:
+    """Page ids travel like tokens (one array, little-endian int32); the number of the
+    repeated field they replaced is never reused, so an old peer reads nothing rather
+    than misreading."""
+    message = hicache_pb2.MemberPages.DESCRIPTOR
+    field = message.fields_by_name["page_ids"]
+    assert field.type == FieldDescriptor.TYPE_BYTES and not field.is_repeated
+    assert field.number != 2 and 2 not in message.fields_by_number
+    proto = (ROOT / "proto" / "hicache" / "v1" / "hicache.proto").read_text()
+    assert "reserved 2;" in proto.split("message MemberPages", 1)[1].split("}", 1)[0]
+
+
 def test_bool_and_optional_fields() -> None:
     messages = {d.name: d for d in _all_messages()}
     for message, field in BOOL_FIELDS:
@@ -354,7 +366,7 @@ def test_batch_round_trip() -> None:
             hicache_pb2.BatchResult(
                 match_prefix=hicache_pb2.MatchPrefixResponse(
                     device_tokens=64, lock_id=5,
-                    device_pages=[hicache_pb2.MemberPages(member="full", page_ids=[3])],
+                    device_pages=[hicache_pb2.MemberPages(member="full", page_ids=b"\x03\x00\x00\x00")],
                 )
             ),
             hicache_pb2.BatchResult(
@@ -367,7 +379,7 @@ def test_batch_round_trip() -> None:
     again = hicache_pb2.BatchResponse.FromString(response.SerializeToString())
     assert again == response
     assert [r.WhichOneof("result") for r in again.results] == ["match_prefix", "status"]
-    assert again.results[0].match_prefix.device_pages[0].page_ids == [3]
+    assert again.results[0].match_prefix.device_pages[0].page_ids == b"\x03\x00\x00\x00"
     assert again.results[1].status.code == 8
 
 

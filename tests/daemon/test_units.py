@@ -45,7 +45,8 @@ def test_token_bytes_are_checked_without_copying() -> None:
 
 
 def test_pages_round_trip_as_int64_arrays() -> None:
-    # Page ids are sint32 on the wire: any pool index, and -1 for an SWA tombstone.
+    # Page ids are little-endian int32 on the wire: any pool index, and -1 for an SWA
+    # tombstone; they come back as writable int64 arrays.
     pages = {"full": np.array([5, 0, 2_000_000_000], dtype=np.int64),
              "swa": np.array([-1, -1, 7], dtype=np.int64), "k_scale": np.array([], dtype=np.int32)}
     msg = pb.AllocateResponse()
@@ -55,6 +56,16 @@ def test_pages_round_trip_as_int64_arrays() -> None:
     np.testing.assert_array_equal(back["full"], pages["full"])
     np.testing.assert_array_equal(back["swa"], pages["swa"])
     assert back["k_scale"].dtype == np.int64 and back["k_scale"].size == 0
+    assert msg.pages[1].page_ids == np.array([-1, -1, 7], dtype="<i4").tobytes()
+    back["full"][0] = 9  # (not a view of the message's bytes)
+
+
+def test_page_ids_of_a_length_not_a_multiple_of_4_are_refused_by_name() -> None:
+    msg = pb.MatchPrefixResponse()
+    msg.device_pages.add(member="full", page_ids=b"\x01\x00\x00\x00")
+    msg.device_pages.add(member="swa", page_ids=b"\x01\x00\x00")
+    with pytest.raises(errors.InvalidArgument, match=r"pages\[swa\]: 3 bytes of page ids is not a multiple of 4"):
+        convert.match_from_pb(msg)
 
 
 def test_batch_results_are_filled_in_place_even_when_every_field_is_zero() -> None:

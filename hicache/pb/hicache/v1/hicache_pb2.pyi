@@ -47,8 +47,8 @@ class MemberPages(_message.Message):
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     member: str
-    page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, member: _Optional[str] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    page_ids: bytes
+    def __init__(self, member: _Optional[str] = ..., page_ids: _Optional[bytes] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "instance_id")
