@@ -48,6 +48,10 @@ EVICT_AHEAD_DIVISOR = 64
 # NOTE: the CPU copy engine copies up to 64 pages inline; larger copies go to its helper
 # threads, which contend for the GIL with the serving threads.
 FLUSH_PAGES = 64
+# Pending L1->L2 copies are flushed when an RPC ends after they became due; with no RPC
+# ending, a timer flushes them this many batch times (`write.l1_to_l2_batch_ms`) after
+# the first was queued.
+IDLE_FLUSH_FACTOR = 2
 LOAD_THREADS = 4  # loads copying at once (more wait for a thread, streaming nothing yet)
 L1Move = tuple[object, ComponentKind, np.ndarray, np.ndarray]  # node, kind, L2 pages, L1 pages
 
@@ -120,9 +124,24 @@ class Transfers:
         # (and write) it again.
         self._queued_l2: set[int] = set()
         self._queued_l3: set[int] = set()
-        # L1->L2 write-through copies waiting for the copy worker's next flush, in order.
+        # L1->L2 write-through copies waiting for the copy worker's next flush, in order;
+        # their pages (FULL's), and when the oldest was queued.
         self._pending_l2: list[HostCopy] = []
+        self._pending_pages = 0
+        self._pending_since = 0.0
         self._flush_queued = False
+        # Batching (`write.l1_to_l2_batch_*`): a queued flush waits on `_flush_wake` until
+        # its copies are due (`_batch_due`), which is checked where nothing is being sent:
+        # when the RPC holding them ends, or when a copy is queued without a hold. Its own
+        # timeout (`IDLE_FLUSH_FACTOR` x the batch time) only serves when no RPC comes:
+        # a timer firing under traffic would take the GIL and the mutex from a request
+        # in the middle of its handler. `_flush_waiting`: one waits. `_flush_now`:
+        # someone needs them (an allocation, drain, close), due at once.
+        self._batch_pages = self.cfg.write.l1_to_l2_batch_pages
+        self._batch_s = self.cfg.write.l1_to_l2_batch_ms / 1e3
+        self._flush_wake = threading.Condition(ctl._mu)
+        self._flush_waiting = False
+        self._flush_now = False
         # An Insert or Batch RPC under way whose copies wait for its response to be sent
         # (at most one at a time: see `hold_flushes`).
         self._flush_holds = 0
@@ -145,6 +164,9 @@ class Transfers:
         self.copy_worker.start()
 
     def close(self) -> None:
+        with self.ctl._mu:  # a flush waiting for its batch goes now (or finds nothing)
+            self._flush_now = True
+            self._flush_wake.notify_all()
         self.copy_worker.close()
         self.backup_worker.close()
         self._load_threads.shutdown(wait=True)
@@ -412,7 +434,10 @@ class Transfers:
         if not slots:
             return
         self._queued_l2.add(id(node))
+        if not self._pending_l2:
+            self._pending_since = time.monotonic()
         self._pending_l2.append(HostCopy(node, slots, self.tree.pin(node)))
+        self._pending_pages += len(slots[0][1])
         self._schedule_l2_flush()
 
     def hold_flushes(self) -> bool:
@@ -432,18 +457,27 @@ class Transfers:
         self._schedule_l2_flush()
 
     def _schedule_l2_flush(self, urgent: bool = False) -> None:
-        """Caller holds the mutex. At most one flush job waits in the copy worker's queue:
-        it takes whatever is pending when it runs, so later copies ride along. Held
-        by an RPC under way unless `urgent` (someone waits for the copies, or they were
-        due before)."""
-        if self._flush_queued or not self._pending_l2:
+        """Caller holds the mutex. At most one flush job is queued on the copy worker: it
+        waits until the pending copies are due (`_batch_due`), then takes whatever is
+        pending, so later copies ride along. Held by an RPC under way unless `urgent`
+        (someone waits for the copies, or they were due before)."""
+        if not self._pending_l2:
             return
+        if urgent:
+            self._flush_now = True
         if self._flush_holds and not urgent:
+            return
+        if self._flush_waiting:
+            if self._batch_due():
+                self._flush_wake.notify()
+            return
+        if self._flush_queued:
             return
         self._flush_queued = True
         if not self.copy_worker.submit(Job("l1-to-l2", self._flush_l2, lambda _e: None)):
             self._flush_queued = False
             if not self.copy_worker.closed:  # closed: shutting down, the pools go next
+                self._flush_now = True  # (not waiting for a batch here)
                 self._flush_l2()  # queue full: copy here rather than lose the backups
 
     def _flush_l2(self) -> None:
@@ -453,6 +487,9 @@ class Transfers:
         failure lands them as not copied (their host pages are freed) and raises, so the
         worker counts and logs it."""
         with self.ctl._mu:
+            if not self._wait_for_batch():
+                self._flush_queued = False  # held: the RPC's end schedules the flush
+                return
             batch = self._take_pending()
             if not batch:
                 return
@@ -479,6 +516,35 @@ class Transfers:
                     # What did not fit in this flush was due already: not held.
                     self._schedule_l2_flush(urgent=True)
 
+    def _batch_due(self) -> bool:
+        """Caller holds the mutex. Whether the pending copies stop waiting for others to
+        share their flush: `write.l1_to_l2_batch_pages` pages wait, the first waited
+        `l1_to_l2_batch_ms`, or someone needs them."""
+        return (self._flush_now or self._pending_pages >= self._batch_pages
+                or time.monotonic() - self._pending_since >= self._batch_s)
+
+    def _wait_for_batch(self) -> bool:
+        """Caller holds the mutex (released while waiting): until the pending copies are
+        due (True), or held by an RPC under way (False: its end schedules the flush; the
+        copy worker does not wait for it, since that end may be a job queued behind this
+        one). Woken by `_schedule_l2_flush` once they are due; on its own only after
+        `IDLE_FLUSH_FACTOR` batch times (no RPC came to end). Pages pinned meanwhile stay
+        in L1; an allocation short of room, `drain` and `close` make them due at once."""
+        while self._pending_l2:
+            if self._flush_holds and not self._flush_now:
+                return False
+            if self._batch_due():
+                break
+            idle = self._pending_since + IDLE_FLUSH_FACTOR * self._batch_s - time.monotonic()
+            if idle <= 0:
+                break
+            self._flush_waiting = True
+            try:
+                self._flush_wake.wait(idle)
+            finally:
+                self._flush_waiting = False
+        return True
+
     def _take_pending(self) -> list[HostCopy]:
         """Caller holds the mutex. The oldest pending copies, up to `FLUSH_PAGES` pages
         (at least one copy); copies queued from now on schedule the next flush."""
@@ -487,7 +553,9 @@ class Transfers:
             pages += len(pending[n].slots[0][1])
             n += 1
         batch, self._pending_l2 = pending[:n], pending[n:]
+        self._pending_pages -= pages
         self._flush_queued = False
+        self._flush_now = False  # (what is left was due: the flush schedules it urgently)
         return batch
 
     def _reserve_host(self, batch: list[HostCopy]) -> None:

@@ -256,14 +256,27 @@ class EvictionConfig:
         _positive(self.closed_session_tombstones, f"{path}.closed_session_tombstones")
 
 
+# Longest an L1 page's write-through copy may wait for others to share its flush.
+MAX_BATCH_MS = 1000.0
+
+
 @dataclass(frozen=True)
 class WriteConfig:
     l1_to_l2: WritePolicy = WritePolicy.WRITE_THROUGH
     l2_to_l3: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE
     selective_threshold: int = 2
+    # L1->L2 write-through copies wait to be flushed together: until this many pages wait
+    # or this long after the first (whichever comes first); anything that needs them
+    # (an L1 allocation short of room, Flush, shutdown) flushes them at once.
+    l1_to_l2_batch_pages: int = 16
+    l1_to_l2_batch_ms: float = 10.0
 
     def _validate(self, path: str) -> None:
         _positive(self.selective_threshold, f"{path}.selective_threshold")
+        _positive(self.l1_to_l2_batch_pages, f"{path}.l1_to_l2_batch_pages")
+        if not 0 <= self.l1_to_l2_batch_ms <= MAX_BATCH_MS:
+            raise ConfigError(f"{path}.l1_to_l2_batch_ms: {self.l1_to_l2_batch_ms!r} must be in "
+                              f"[0, {MAX_BATCH_MS}] (0: every copy at once)")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,9 @@ def test_l2_size_gb_overrides_ratio() -> None:
         ("write: {l1_to_l2: write_sometimes}", "write.l1_to_l2: 'write_sometimes' (str) is not one of ['write_through', 'write_through_selective', 'write_back']"),
         ("prefetch: {policy: eager}", "prefetch.policy: 'eager' (str) is not one of ['best_effort', 'wait_complete', 'timeout']"),
         ("eviction: {policy: fifo}", "eviction.policy: 'fifo' (str) is not one of ['lru', 'lfu']"),
+        ("write: {l1_to_l2_batch_pages: 0}", "write.l1_to_l2_batch_pages: 0 must be > 0"),
+        ("write: {l1_to_l2_batch_ms: -1}", "write.l1_to_l2_batch_ms: -1.0 must be in [0, 1000.0]"),
+        ("write: {l1_to_l2_batch_ms: 5000}", "write.l1_to_l2_batch_ms: 5000.0 must be in [0, 1000.0]"),
         ("storage: {backend: s3}", "storage.backend: 's3' (str) is not one of ['none', 'file', 'mooncake', 'redis']"),
         # component rules
         ("model: {components: {swa: {bytes_per_token_per_layer: 4, window_tokens: 64}}}", "model.components: 'full' is required"),

@@ -1,7 +1,8 @@
 """L1->L2 write-through on the copy worker: copies queued while it is busy share one flush
 (one host allocation, one engine call per family, one landing), flushes stay within
-FLUSH_PAGES, an allocation short of L1 room waits for them, and a flush short of L2 room
-skips whole nodes. Every page that comes back from L2 is checked byte for byte."""
+FLUSH_PAGES, copies wait for a batch (write.l1_to_l2_batch_*) and go when an RPC ends
+after it is due, an allocation short of L1 room waits for them, and a flush short of L2
+room skips whole nodes. Every page that comes back from L2 is checked byte for byte."""
 
 from __future__ import annotations
 
@@ -336,3 +337,90 @@ def test_a_closed_copy_worker_leaves_copies_queued_rather_than_copying_inline(ma
     assert ctl.transfers.stats["l2_flushes"] == 0
     assert ctl.transfers._pending_l2  # still queued, not copied here
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def rpc_request(ctl, eng: Engine, tokens: bytes) -> None:
+    """One request as the daemon serves an Insert: its copies are held until its end."""
+    release = ctl.hold_background()
+    eng.request(tokens)
+    release()
+
+
+def test_copies_wait_for_a_batch_of_pages_then_go_in_one_flush_at_an_rpc_end(make) -> None:
+    ctl = make(write__l1_to_l2_batch_pages=6, write__l1_to_l2_batch_ms=1000)
+    eng = Engine(ctl)
+    calls = count_copies(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(3)]  # 2 pages each
+    for tokens in prompts[:2]:
+        rpc_request(ctl, eng, tokens)
+    time.sleep(0.1)
+    assert ctl.transfers.stats["l2_flushes"] == 0  # 4 pages: waiting for 6 (or 1 s)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+    rpc_request(ctl, eng, prompts[2])
+    wait_for_flushes(ctl, 1)
+    assert calls == [(FULL, 6)]
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 6
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_copies_due_by_time_go_when_the_next_rpc_ends_not_in_between(make, monkeypatch) -> None:
+    """Past the batch time, copies go at the end of the next RPC (what its reply was
+    sent), not on a timer that would fire in the middle of some request."""
+    monkeypatch.setattr(transfers_mod, "IDLE_FLUSH_FACTOR", 1000)  # no idle flush here
+    ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=20)
+    eng = Engine(ctl)
+    calls = count_copies(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(2)]
+    rpc_request(ctl, eng, prompts[0])
+    time.sleep(0.15)  # due since 20 ms, but no RPC has ended since
+    assert ctl.transfers.stats["l2_flushes"] == 0
+    rpc_request(ctl, eng, prompts[1])
+    wait_for_flushes(ctl, 1)
+    assert calls == [(FULL, 4)]  # both requests' copies in one flush
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_with_no_rpc_ending_a_batch_goes_after_the_idle_timeout(make) -> None:
+    ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=20)
+    eng = Engine(ctl)
+    start = time.monotonic()
+    rpc_request(ctl, eng, seq(2, 1000))
+    wait_for_flushes(ctl, 1)
+    # Not before the batch time, then by the idle timer (2 x 20 ms); nothing else ran.
+    assert time.monotonic() - start >= 0.02
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
+
+
+def test_an_allocation_needing_the_pinned_pages_flushes_a_waiting_batch_at_once(make) -> None:
+    ctl = make(l1_tokens=32, write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=1000)
+    eng = Engine(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(4)]  # fills L1, every page pinned
+    for tokens in prompts:
+        rpc_request(ctl, eng, tokens)
+    assert ctl.transfers.stats["l2_flushes"] == 0  # 8 pages waiting for 100 (or 1 s)
+    assert ctl.device.allocator(FULL).free_count == 0
+    start = time.monotonic()
+    m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
+    assert time.monotonic() - start < 1.5  # it did not wait for the batch (idle timer: 2 s)
+    assert len(m.pages["full"]) == 2
+    assert ctl.transfers.stats["l2_flushes"] == 1
+    ctl.release("e1", m.lock_id, m.allocation_id)
+    reload_and_verify(ctl, eng, prompts)
+
+
+def test_drain_and_close_send_a_waiting_batch(make) -> None:
+    ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=1000)
+    eng = Engine(ctl)
+    rpc_request(ctl, eng, seq(2, 1000))
+    start = time.monotonic()
+    assert ctl.transfers.drain(10)
+    assert time.monotonic() - start < 1.5  # not the idle timer's 2 s
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
+    rpc_request(ctl, eng, seq(2, 2000))  # a flush job now waits for its batch
+    start = time.monotonic()
+    ctl.transfers.close()
+    assert time.monotonic() - start < 1.5  # closing woke it: nothing hangs for 2 s
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 4
