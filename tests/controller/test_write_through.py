@@ -367,7 +367,7 @@ def test_copies_wait_for_a_batch_of_pages_then_go_in_one_flush_at_an_rpc_end(mak
 
 
 def test_copies_due_by_time_go_when_the_next_rpc_ends_not_in_between(make, monkeypatch) -> None:
-    """Past the batch time, copies go at the end of the next RPC (what its reply was
+    """Past the batch time, copies go at the end of the next RPC (once its reply is
     sent), not on a timer that would fire in the middle of some request."""
     monkeypatch.setattr(transfers_mod, "IDLE_FLUSH_FACTOR", 1000)  # no idle flush here
     ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=20)
