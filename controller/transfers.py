@@ -84,6 +84,11 @@ class HostCopy:
     pin: TreeLock
     moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = field(default_factory=list)
 
+    @property
+    def pages(self) -> int:
+        """Its pages (its first slot's: FULL's), what a flush and a batch count."""
+        return len(self.slots[0][1])
+
 
 def _per_family(moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]]
                 ) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
@@ -436,8 +441,9 @@ class Transfers:
         self._queued_l2.add(id(node))
         if not self._pending_l2:
             self._pending_since = time.monotonic()
-        self._pending_l2.append(HostCopy(node, slots, self.tree.pin(node)))
-        self._pending_pages += len(slots[0][1])
+        copy = HostCopy(node, slots, self.tree.pin(node))
+        self._pending_l2.append(copy)
+        self._pending_pages += copy.pages
         self._schedule_l2_flush()
 
     def hold_flushes(self) -> bool:
@@ -549,8 +555,8 @@ class Transfers:
         """Caller holds the mutex. The oldest pending copies, up to `FLUSH_PAGES` pages
         (at least one copy); copies queued from now on schedule the next flush."""
         pending, pages, n = self._pending_l2, 0, 0
-        while n < len(pending) and (n == 0 or pages + len(pending[n].slots[0][1]) <= FLUSH_PAGES):
-            pages += len(pending[n].slots[0][1])
+        while n < len(pending) and (n == 0 or pages + pending[n].pages <= FLUSH_PAGES):
+            pages += pending[n].pages
             n += 1
         batch, self._pending_l2 = pending[:n], pending[n:]
         self._pending_pages -= pages

@@ -41,6 +41,7 @@ from hicache.types import (
 MAX_FILE_THREADS = 64  # storage.file.threads
 GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
+MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
 _MEMBER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -485,6 +486,13 @@ class HicacheConfig:
                 f"{self.l2_pages(self.l1_pages)} pages per pool, not more than L1's "
                 f"{self.l1_pages}: L2 must hold L1 and more"
             )
+        for name, pages in (("tiers.l1 (tokens or size_gb)", self.l1_pages),
+                            ("tiers.l1.mamba_slots", self.tiers.l1.mamba_slots)):
+            if pages > MAX_L1_PAGES:
+                raise ConfigError(
+                    f"{name}: {pages} pages per L1 pool, over {MAX_L1_PAGES} "
+                    "(page ids travel as int32)"
+                )
         if self.prefetch.threshold_tokens < self.model.page_size:
             raise ConfigError(
                 f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "

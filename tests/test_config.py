@@ -99,6 +99,11 @@ def test_l2_size_gb_overrides_ratio() -> None:
         ("prefetch: {policy: eager}", "prefetch.policy: 'eager' (str) is not one of ['best_effort', 'wait_complete', 'timeout']"),
         ("eviction: {policy: fifo}", "eviction.policy: 'fifo' (str) is not one of ['lru', 'lfu']"),
         ("write: {l1_to_l2_batch_pages: 0}", "write.l1_to_l2_batch_pages: 0 must be > 0"),
+        # an L1 pool whose page ids would not fit the wire's int32
+        ("model: {page_size: 1}\ntiers: {l1: {tokens: 2147483648}}",
+         "tiers.l1 (tokens or size_gb): 2147483648 pages per L1 pool, over 2147483647 (page ids travel as int32)"),
+        ("tiers: {l1: {mamba_slots: 2147483648}}",
+         "tiers.l1.mamba_slots: 2147483648 pages per L1 pool, over 2147483647"),
         ("write: {l1_to_l2_batch_ms: -1}", "write.l1_to_l2_batch_ms: -1.0 must be in [0, 1000.0]"),
         ("write: {l1_to_l2_batch_ms: 5000}", "write.l1_to_l2_batch_ms: 5000.0 must be in [0, 1000.0]"),
         ("storage: {backend: s3}", "storage.backend: 's3' (str) is not one of ['none', 'file', 'mooncake', 'redis']"),
