@@ -15,7 +15,9 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,6 +27,12 @@ from hicache.tiers.storage.base import BackendHealth
 
 PagesByMember = Mapping[str, np.ndarray]
 """L1 page ids per family member (a sidecar lists its anchor's ids)."""
+
+NO_PAGES: PagesByMember = MappingProxyType({})
+
+# The types of the two RPCs of every request (MatchPrefix, Insert) are named tuples: frozen
+# like the dataclasses of the other calls, and built without a `object.__setattr__` per field
+# (~0.2 us against ~1 us for eight fields; a round builds six of them).
 
 
 class PrefetchState(enum.Enum):
@@ -50,8 +58,7 @@ class HeartbeatInfo:
     allocations: int
 
 
-@dataclass(frozen=True)
-class MatchRequest:
+class MatchRequest(NamedTuple):
     namespace: str
     tokens: bytes  # little-endian uint32 ids
     session_id: str = ""
@@ -63,8 +70,7 @@ class MatchRequest:
     allocate_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class MatchOutcome:
+class MatchOutcome(NamedTuple):
     device_tokens: int
     host_tokens: int
     storage_tokens: int
@@ -72,7 +78,7 @@ class MatchOutcome:
     lock_id: int = 0
     prefetch_id: int = 0
     allocation_id: int = 0
-    pages: PagesByMember = field(default_factory=dict)  # of the allocation, when asked
+    pages: PagesByMember = NO_PAGES  # of the allocation, when asked
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,7 @@ class AllocationInfo:
     pages: PagesByMember  # every page of the allocation, in token order
 
 
-@dataclass(frozen=True)
-class InsertRequest:
+class InsertRequest(NamedTuple):
     namespace: str
     tokens: bytes
     lock_id: int | None = None
@@ -116,8 +121,7 @@ class InsertRequest:
     keep_lock: bool = False
 
 
-@dataclass(frozen=True)
-class InsertOutcome:
+class InsertOutcome(NamedTuple):
     inserted_tokens: int
     reused_tokens: int
 

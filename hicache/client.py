@@ -8,10 +8,10 @@
             ...  # reuse m.device_pages, write new KV into att.pools[member][layer][page]
             cache.insert(tokens, lock_id=m.lock_id, allocation_id=m.allocation_id)
 
-Results are the core's frozen dataclasses (`MatchOutcome`, `InsertOutcome`, ...) with
-page ids as numpy arrays; failures are re-raised as `hicache.errors` types. After `attach`
-a background thread heartbeats every `lease_ms / 3`, so the daemon keeps this engine's
-locks and allocations; `close()` stops it.
+Results are the core's frozen result types (`MatchOutcome`, `InsertOutcome`: named
+tuples; the others dataclasses) with page ids as numpy arrays; failures are re-raised as
+`hicache.errors` types. After `attach` a background thread heartbeats every `lease_ms / 3`,
+so the daemon keeps this engine's locks and allocations; `close()` stops it.
 
 Retries: calls that are safe to repeat (Attach, Heartbeat, PrefetchStatus, CancelPrefetch,
 Release, CloseSession, Stats, Health, Flush) are retried a bounded number of times on

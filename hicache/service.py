@@ -13,7 +13,6 @@ after `Attach`); Attach and Heartbeat carry it in the request instead.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -111,7 +110,7 @@ def _session_scoped(req: _R) -> _R:
     if not req.session_id:
         return req
     scoped = scoped_session(req.session_id)
-    return req if scoped == req.session_id else dataclasses.replace(req, session_id=scoped)
+    return req if scoped == req.session_id else req._replace(session_id=scoped)
 
 
 class HiCacheServicer(pb_grpc.HiCacheServicer):

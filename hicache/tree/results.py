@@ -1,9 +1,14 @@
-"""Frozen results the tree hands to its callers. Nodes appear only as opaque handles."""
+"""Frozen results the tree hands to its callers. Nodes appear only as opaque handles.
+
+The two of every request (`MatchResult`, `InsertResult`) are named tuples: built without
+an `object.__setattr__` per field, as frozen dataclasses are."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,8 +32,7 @@ class TreeLock:
     active: bool = True
 
 
-@dataclass(frozen=True)
-class MatchResult:
+class MatchResult(NamedTuple):
     """Page-aligned reuse lengths, each counted beyond the previous tier:
     `device_tokens` usable from L1 now; `host_tokens` more after a load from L2;
     `storage_tokens` more known (to the tree) to be in L3.
@@ -44,11 +48,10 @@ class MatchResult:
     matched_tokens: int  # tokens present in the topology (any tier, any component)
     device_pages: Mapping[ComponentKind, np.ndarray]
     lock: TreeLock | None
-    path: tuple[NodeHandle, ...] = field(repr=False)  # nodes down to the storage boundary
+    path: tuple[NodeHandle, ...]  # nodes down to the storage boundary
 
 
-@dataclass(frozen=True)
-class InsertResult:
+class InsertResult(NamedTuple):
     inserted_tokens: int  # tokens new to the topology
     reused_tokens: int  # tokens the tree already held
     # Page ids the caller passed but the tree did not take (it held those pages already):
@@ -59,7 +62,7 @@ class InsertResult:
     # Page ids of the OTHER paged tier (L2 for an insert into L1, L1 for one into L2) the
     # tree let go: an SWA tail there was shorter than the one this insert brought, and a
     # slot has one length per node. The caller frees them in that tier. Usually empty.
-    dropped: Mapping[ComponentKind, np.ndarray] = field(default_factory=dict)
+    dropped: Mapping[ComponentKind, np.ndarray] = MappingProxyType({})
 
 
 @dataclass(frozen=True)

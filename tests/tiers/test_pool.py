@@ -67,7 +67,7 @@ def test_bad_batches_are_rejected_whole(batch: np.ndarray, message: str) -> None
     alloc.check_integrity()
 
 
-@pytest.mark.parametrize("size", [5, 200])  # checked as lists, and as arrays
+@pytest.mark.parametrize("size", [5, 31, 32, 200])  # as lists (to 32 ids), and as arrays
 def test_bad_large_and_small_batches_name_the_offending_ids(size: int) -> None:
     alloc = PageAllocator(300, "l2.full")
     held = alloc.allocate(size)

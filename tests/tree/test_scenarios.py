@@ -264,6 +264,11 @@ def test_keep_lock_moves_the_lock_to_the_new_end() -> None:
         (lambda t: t.match("", b"\x01\x02\x03"), "not a multiple of 4"),
         (lambda t: t.insert("", seq(0, 8), {FULL: ids(1)}), "1 page ids for 2 new pages"),
         (lambda t: t.insert("", seq(0, 4), {FULL: ids(-1)}), "page ids must be >= 0"),
+        # (a negative id after the first: found by its sign byte, and past 512 pages by a
+        # reduction)
+        (lambda t: t.insert("", seq(0, 12), {FULL: ids(1, 2, -3)}), "page ids must be >= 0"),
+        (lambda t: t.insert("", seq(0, 4 * 600), {FULL: np.append(np.arange(1, 600), -1)}),
+         "page ids must be >= 0"),
         (lambda t: t.insert("", seq(0, 4), {SWA: ids(1)}), "which this model does not have"),
         (lambda t: t.evict(Tier.STORAGE, FULL, 1), "manages its own eviction"),
     ],
