@@ -11,7 +11,7 @@ few hundred elements, where the work is too small to share; a boolean mask is te
 searching its bytes (~0.3 µs).
 
 In the daemon a ufunc costs more than these warm figures: each request meets cold caches
-(its threads slept between calls), and there one `min_of` of a single id took ~9 µs. Where
+(its threads slept between calls), and there one `min_of` of a single id took ~10 µs. Where
 a request only asks whether some id is negative, `any_negative` reads sign bytes instead.
 """
 

@@ -15,7 +15,7 @@ _SHOWN_IDS = 8  # ids quoted in an error message before "..."
 # Batches up to this size are checked and marked as Python lists: numpy's per-call overhead
 # is more than the work for the few pages a request allocates or frees. Fancy indexing and
 # ufuncs cost most, and more in the daemon than warm: there each request meets cold caches
-# (a ufunc reduction of one id took ~9 us).
+# (a ufunc reduction of one id took ~10 us).
 _SMALL = 32
 
 

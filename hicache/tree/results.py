@@ -1,7 +1,7 @@
 """Frozen results the tree hands to its callers. Nodes appear only as opaque handles.
 
-The two of every request (`MatchResult`, `InsertResult`) are named tuples: built without
-an `object.__setattr__` per field, as frozen dataclasses are."""
+The two that every request gets (`MatchResult`, `InsertResult`) are named tuples: frozen
+too, and built without an `object.__setattr__` per field as frozen dataclasses are."""
 
 from __future__ import annotations
 
