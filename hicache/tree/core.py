@@ -9,19 +9,18 @@ node must be split.
 from __future__ import annotations
 
 import operator
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
 
-from hicache.arrays import any_negative, any_of
+from hicache.arrays import any_negative, any_of, negative_mask
 from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes, chain_seed
 from hicache.tree.components import FULL_INDEX, Component, build_components
 from hicache.tree.eviction import EvictionQueue
 from hicache.tree.node import LOW_TIERS, PAGED_TIERS, PARTIAL, Node
-from hicache.tree.results import EvictResult, InsertResult, MatchResult, TreeLock, Victim
+from hicache.tree.results import NOTHING, EvictResult, InsertResult, MatchResult, TreeLock, Victim
 from hicache.tree.sessions import SessionTable
 from hicache.types import ComponentKind, EvictionPolicy, Tier
 
@@ -29,14 +28,6 @@ _EMPTY = np.empty(0, dtype=np.int64)
 # Checkpoint slots below this get their one-id arrays as views of one shared arange.
 _POINT_IDS_MAX = 1 << 20
 _PAGED_MASK = (1 << PAGED_TIERS) - 1
-# The absent mask of int64 page ids (1 where negative). Up to a few hundred ids it comes
-# from each id's sign byte by bytes operations: a numpy comparison, 0.6 µs timed alone,
-# costs 2-4 µs inside a request (its dispatch runs in cold caches). Past that, copying
-# 8 bytes an id costs more than the comparison saves.
-_SIGN_BYTE = 7 if sys.byteorder == "little" else 0
-_ABSENT = bytes(int(b >= 0x80) for b in range(256))
-_BYTES_MASK_MAX = 512
-_less = np.less
 _INT64 = np.dtype(np.int64)
 
 
@@ -631,7 +622,7 @@ class HiRadixTree:
                 c.kind: _cat(r) if (r := released[c.index]) else _EMPTY for c in self.components
             } if any(released) else self._nothing_released,
             end=node if node.parent is not None else None,
-            dropped=self._by_component(dropped) if dropped else {},
+            dropped=self._by_component(dropped) if dropped else NOTHING,
         )
 
     def _start_node(self, namespace: str, tokens: bytes, lock: TreeLock | None,
@@ -689,10 +680,7 @@ class HiRadixTree:
             if n and (arr.item(0) < 0 or any_negative(arr)):  # (SWA's gaps usually lead)
                 if comp.index == FULL_INDEX:
                     raise InvalidArgument("pages[full]: page ids must be >= 0")
-                gapped[comp.index] = (
-                    arr.tobytes()[_SIGN_BYTE::8].translate(_ABSENT) if n <= _BYTES_MASK_MAX
-                    else _less(arr, 0).tobytes()
-                )
+                gapped[comp.index] = negative_mask(arr)  # (the absent pages)
             out[comp.index] = arr
         if len(pages) != known:
             self._refuse_unknown(pages)

@@ -15,6 +15,7 @@ import numpy as np
 from hicache.types import ComponentKind, Tier
 
 NodeHandle = object  # opaque to callers: pass it back to the tree, never inspect it
+NOTHING: Mapping[ComponentKind, np.ndarray] = MappingProxyType({})  # an empty, read-only result
 
 
 @dataclass(eq=False)
@@ -62,7 +63,7 @@ class InsertResult(NamedTuple):
     # Page ids of the OTHER paged tier (L2 for an insert into L1, L1 for one into L2) the
     # tree let go: an SWA tail there was shorter than the one this insert brought, and a
     # slot has one length per node. The caller frees them in that tier. Usually empty.
-    dropped: Mapping[ComponentKind, np.ndarray] = MappingProxyType({})
+    dropped: Mapping[ComponentKind, np.ndarray] = NOTHING
 
 
 @dataclass(frozen=True)
