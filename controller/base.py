@@ -263,7 +263,11 @@ class CacheService(abc.ABC):
         """Hold the background work that calls start from now on (write-through copies)
         until the returned function is called (the first call counts); then it goes in
         one flush. The server holds it for an Insert or Batch RPC and releases it once
-        the response is on the wire, so the copies do not compete with sending it. One
+        the response is on the wire, so the copies do not compete with sending it. While
+        a hold lasts, an Insert's commits beyond the tree (freeing the pages it leaves,
+        ending its lock and allocation, queuing its write-through) are owed rather than
+        run before the reply: they run at the release, or before anyone's next use of
+        the controller, whichever comes first (`hicache.controller.mutex`). One
         hold at a time (a hold asked for meanwhile is not granted: its release does
         nothing), so copies wait for one RPC at most. The release never waits for a busy
         controller (it runs on gRPC's poller thread).

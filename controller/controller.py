@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.controller.engines import AllocationRecord, Engine, EngineRegistry, LockRecord
+from hicache.controller.mutex import OwingMutex
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
@@ -49,6 +51,7 @@ from hicache.tiers.host import build_host_pools
 from hicache.tiers.storage.base import BackendHealth
 from hicache.tiers.storage.registry import build_backend
 from hicache.tree import HiRadixTree
+from hicache.tree.results import InsertResult
 from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBackendName, Tier
 
 log = logging.getLogger("hicache.controller")
@@ -85,7 +88,7 @@ class HybridCacheController(CacheService):
         # reported unhealthy by `health` and retried in the background.
         self.l3_down: str | None = None
         self.counters: Counter[str] = Counter()
-        self._mu = threading.RLock()
+        self._mu = OwingMutex()
         self._ps = cfg.model.page_size
         self._pb = self._ps * 4
         self._kinds = cfg.model.component_kinds
@@ -533,7 +536,7 @@ class HybridCacheController(CacheService):
                 if plan.slot is None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                     fresh = None
-            lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
+            lock_rec, slot = plan.lock, plan.slot
             try:
                 result = self.tree.insert(
                     req.namespace, req.tokens, plan.pages, lock=lock_rec.tree_lock if lock_rec else None,
@@ -543,26 +546,40 @@ class HybridCacheController(CacheService):
                 if fresh is not None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                 raise
-            for kind, ids in result.released.items():
-                if req.keep_lock and alloc is not None and kind in alloc.pages:
-                    # The request goes on reading these (its block table points at them):
-                    # they leave with the allocation (final Insert, Release, lapse).
-                    if len(ids):
-                        alloc.retired.setdefault(kind, []).append(ids)
-                else:
-                    self.transfers.free_l1(kind, ids)
-            if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
-                for kind, ids in result.dropped.items():
-                    self.transfers.free_l2(kind, ids)
-                self.transfers.refill_host(result.end)
-            if lock_rec is not None and not req.keep_lock:
-                self._engines.pop_lock(engine_id, req.lock_id or 0)
-                self._request_moves_on(req.lock_id)
-            if alloc is not None:
-                self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
-            if result.end is not None:
-                self.transfers.after_insert(result.end)
+            if self.transfers.flushes_held and not req.keep_lock:
+                # An RPC's reply waits for none of it, and only holders of the mutex read
+                # what it changes: owed, it runs once the reply is sent (the hold's
+                # release) or before the mutex's next use, whichever comes first.
+                self._mu.owe(partial(self._after_insert, engine_id, req, plan, result, fresh))
+            else:
+                self._after_insert(engine_id, req, plan, result, fresh)
             return InsertOutcome(result.inserted_tokens, result.reused_tokens)
+
+    def _after_insert(self, engine_id: str, req: InsertRequest, plan: _InsertPlan,
+                      result: InsertResult, fresh: int | None) -> None:
+        """What an Insert commits beyond the tree (caller holds the mutex): pages the tree
+        did not take go back, the lock and allocation end (or go on, `keep_lock`), and
+        the write-through of the new nodes is queued."""
+        lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
+        for kind, ids in result.released.items():
+            if req.keep_lock and alloc is not None and kind in alloc.pages:
+                # The request goes on reading these (its block table points at them):
+                # they leave with the allocation (final Insert, Release, lapse).
+                if len(ids):
+                    alloc.retired.setdefault(kind, []).append(ids)
+            else:
+                self.transfers.free_l1(kind, ids)
+        if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
+            for kind, ids in result.dropped.items():
+                self.transfers.free_l2(kind, ids)
+            self.transfers.refill_host(result.end)
+        if lock_rec is not None and not req.keep_lock:
+            self._engines.pop_lock(engine_id, req.lock_id or 0)
+            self._request_moves_on(req.lock_id)
+        if alloc is not None:
+            self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
+        if result.end is not None:
+            self.transfers.after_insert(result.end)
 
     def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
                             begin: int, used: int, slot: int | None, fresh: int | None) -> None:
@@ -691,6 +708,7 @@ class HybridCacheController(CacheService):
             counters["prefetches_running"] = self.prefetcher.running
             counters["active_locks"] = self._engines.lock_count
             counters["active_allocations"] = self._engines.allocation_count
+            counters["owed_work_failures"] = self._mu.failures
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
                 counters["l3_breaker_trips"] = self.l3.breaker.trips

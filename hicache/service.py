@@ -278,7 +278,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         """Write-through copies this RPC starts wait until its response is on the wire
         (gRPC runs the callback when the RPC ends, however it ends): started at once,
         they would compete with sending it (bench rpc, 6 alternating runs: a round went
-        from 2.59x to 2.50x an empty call, mean)."""
+        from 2.59x to 2.50x an empty call, mean). So does the bookkeeping an Insert owes
+        once its tree insert has the reply's figures (`CacheService.hold_background`)."""
         release = self._core.hold_background()
         if not context.add_callback(release):  # already over
             release()
