@@ -16,6 +16,7 @@ hop per call (its handlers must not block the event loop).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -225,13 +226,16 @@ def serve(
         except BaseException:
             daemon.stop()
             raise
+        frozen = freeze_startup_heap()
         log.info(
-            "hicache daemon ready: listen=%s model=%s page_size=%d members=%s metrics_port=%d",
+            "hicache daemon ready: listen=%s model=%s page_size=%d members=%s metrics_port=%d "
+            "gc_frozen=%d",
             endpoint.address,
             cfg.model.id,
             cfg.model.page_size,
             ",".join(m.name for m in cfg.model.members),
             daemon.metrics_port,
+            frozen,
         )
         stop.wait()
         log.info("hicache daemon stopping")
@@ -241,6 +245,21 @@ def serve(
             lock.release()
     log.info("hicache daemon stopped")
     return 0
+
+
+def freeze_startup_heap() -> int:
+    """Move every object alive once the daemon is up (the imported libraries, the config,
+    the pools: ~180,000 objects here, nearly all of them torch's and grpc's) out of the
+    cyclic garbage collector's reach, and return how many there are. They live as long as
+    the process, yet a full collection walked them all: 85-100 ms with the GIL held, every
+    RPC stalled. Python runs one once the objects that reached its oldest generation since
+    the last exceed a quarter of those already there: rare while the tree's nodes die by
+    reference counting (none in 15,000 bench rounds), sooner with many long-lived
+    sessions, prefetches or handles. Frozen, a full collection walks only what came after
+    (2 ms after 3,000 bench rounds)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _bound(add_port: Callable[[], int]) -> int:
