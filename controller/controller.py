@@ -60,10 +60,6 @@ HEALTH_PROBE_S = 5.0  # a healthy-looking L3 is asked this often (shallow probe)
 L3_CONNECT_RETRY_S = 5.0  # a configured L3 that could not be reached at start is retried this often
 
 
-def _nothing() -> None:
-    """The release of a hold that was not granted."""
-
-
 class _InsertPlan(NamedTuple):
     """What an Insert commits, as checked against its handles (`_insert_plan`)."""
 
@@ -512,7 +508,7 @@ class HybridCacheController(CacheService):
         session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
         return _InsertPlan(lock_rec, alloc, begin, need, pages, slot, session)
 
-    def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
+    def insert(self, engine_id: str, req: InsertRequest, *, reply_first: bool = False) -> InsertOutcome:
         self._check_tokens(req.tokens)
         if req.keep_lock and not req.lock_id:
             # The lock carries where the request's device pages start; without one the
@@ -546,10 +542,10 @@ class HybridCacheController(CacheService):
                 if fresh is not None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                 raise
-            if self.transfers.flushes_held and not req.keep_lock:
-                # An RPC's reply waits for none of it, and only holders of the mutex read
-                # what it changes: owed, it runs once the reply is sent (the hold's
-                # release) or before the mutex's next use, whichever comes first.
+            if reply_first and not req.keep_lock:
+                # The reply waits for none of it, and only holders of the mutex read what
+                # it changes: owed, it runs once the reply is sent (the hold's release) or
+                # before the mutex's next use, whichever comes first.
                 self._mu.owe(partial(self._after_insert, engine_id, req, plan, result, fresh))
             else:
                 self._after_insert(engine_id, req, plan, result, fresh)
@@ -617,9 +613,8 @@ class HybridCacheController(CacheService):
 
     def hold_background(self) -> Callable[[], None]:
         with self._mu:
-            if not self.transfers.hold_flushes():  # another RPC holds them: its end sends
-                return _nothing
-        held = [True]
+            # Not granted while another RPC holds them: its end sends them.
+            held = [True] if self.transfers.hold_flushes() else []
 
         def release_locked() -> None:
             if held:
@@ -627,18 +622,21 @@ class HybridCacheController(CacheService):
                 self.transfers.release_flushes()
 
         def release_on_worker() -> None:
-            with self._mu:
+            with self._mu:  # (taking it runs what is owed)
                 release_locked()
 
         def release() -> None:
             # Runs on gRPC's poller thread, which must not wait for the mutex (every
             # RPC's dispatch would wait with it): when the mutex is busy, the copy
-            # worker releases the hold (and then runs the flush it schedules).
+            # worker releases the hold (and then runs the flush it schedules) and runs
+            # what is owed. Taking the mutex runs what is owed first.
             if self._mu.acquire(blocking=False):
                 try:
                     release_locked()
                 finally:
                     self._mu.release()
+                return
+            if not held and not self._mu.owing:
                 return
             job = Job("release-held-copies", release_on_worker, lambda _e: None)
             if not self.transfers.copy_worker.submit(job):  # closed or full: wait here

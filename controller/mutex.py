@@ -4,8 +4,9 @@ An RPC's reply often depends on only part of what it changes: an Insert answers 
 token counts its tree insert found, while freeing the pages it made redundant, ending its
 lock and allocation and queuing the write-through of what it added change nothing the
 caller reads in the reply. Such work is *owed* (`owe`): it runs the next time anyone takes
-the mutex, before that holder does anything else, or when the RPC's reply is on the wire
-(`pay`, from the RPC's end). Every reader of the controller's state holds the mutex, so
+the mutex, before that holder does anything else; the RPC's end (its reply on the wire)
+takes the mutex for that (`HybridCacheController.hold_background`'s release), unless
+someone else took it first. Every reader of the controller's state holds the mutex, so
 every reader sees the owed work done: the order of effects is the order of the calls, as
 if the work had run inline. Only the time it runs moves, off the caller's wait.
 
@@ -85,11 +86,6 @@ class OwingMutex:
     @property
     def owing(self) -> bool:
         return bool(self._owed)
-
-    def pay(self) -> None:
-        """Run what is owed now (the reply that owed it is sent)."""
-        with self:
-            pass
 
     def _pay_locked(self) -> None:
         self._paying = True

@@ -457,12 +457,6 @@ class Transfers:
         self._flush_holds = 1
         return True
 
-    @property
-    def flushes_held(self) -> bool:
-        """Whether an RPC under way holds the flushes (`hold_flushes`): its reply is not
-        sent yet, and background work waits for it."""
-        return bool(self._flush_holds)
-
     def release_flushes(self) -> None:
         """Caller holds the mutex; ends a hold `hold_flushes` granted."""
         self._flush_holds = 0

@@ -38,7 +38,7 @@ def test_owed_work_runs_when_the_mutex_is_next_taken_before_the_taker_goes_on() 
     assert not mu.owing
 
 
-def test_pay_runs_what_is_owed_and_work_owed_while_paying_runs_in_the_same_payment() -> None:
+def test_work_owed_while_paying_runs_in_the_same_payment() -> None:
     mu = OwingMutex()
     done: list[int] = []
 
@@ -50,9 +50,11 @@ def test_pay_runs_what_is_owed_and_work_owed_while_paying_runs_in_the_same_payme
 
     with mu:
         mu.owe(first)
-    mu.pay()
+    with mu:
+        pass
     assert done == [1, 2, 3]
-    mu.pay()  # nothing owed: nothing runs
+    with mu:  # nothing owed: nothing runs
+        pass
     assert done == [1, 2, 3]
 
 
@@ -66,8 +68,8 @@ def test_owed_work_that_raises_is_logged_and_counted_and_the_rest_still_runs(cap
     with mu:
         mu.owe(broken)
         mu.owe(lambda: done.append("after"))
-    with caplog.at_level(logging.ERROR, logger="hicache.controller"):
-        mu.pay()
+    with caplog.at_level(logging.ERROR, logger="hicache.controller"), mu:
+        pass
     assert done == ["after"]
     assert mu.failures == 1
     assert "work owed by an answered call failed" in caplog.text
@@ -132,10 +134,11 @@ def test_a_condition_waiter_releases_every_level_and_pays_on_waking() -> None:
 # ---------------------------------------------------------------------- the controller
 
 
-def _request(ctl, engine: str, tokens: bytes):
+def _request(ctl, engine: str, tokens: bytes, reply_first: bool = True):
     m = ctl.match(engine, MatchRequest("", tokens, lock=True, allocate_tokens=len(tokens) // 4 + 8))
     pages = m.pages["full"].copy()
-    out = ctl.insert(engine, InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    out = ctl.insert(engine, InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id),
+                     reply_first=reply_first)
     return m, pages, out
 
 
@@ -143,9 +146,9 @@ def _allocated(ctl, ids: np.ndarray) -> np.ndarray:
     return ctl.device.allocator(FULL).is_allocated(ids)
 
 
-def test_an_insert_during_an_rpc_owes_its_bookkeeping_until_the_reply_is_sent(make) -> None:
-    """Under an RPC's hold, an Insert answers after its tree insert; the pages it leaves,
-    its lock and allocation go when the hold is released (the reply sent)."""
+def test_a_reply_first_insert_owes_its_bookkeeping_until_the_reply_is_sent(make) -> None:
+    """A unary Insert RPC's insert answers after its tree insert; the pages it leaves, its
+    lock and allocation go when the RPC's hold is released (the reply sent)."""
     ctl = make(storage__backend="none")
     ctl.attach("e", 0, 1)
     release = ctl.hold_background()
@@ -183,7 +186,7 @@ def test_any_core_call_after_such_an_insert_sees_its_effects(make) -> None:
     ctl.check_integrity()
 
 
-def test_a_keep_lock_insert_commits_inline_even_during_an_rpc(make) -> None:
+def test_a_keep_lock_insert_commits_inline_even_when_replying_first(make) -> None:
     """A continuing request goes on writing into its pages (and a MAMBA checkpoint's
     private copy) right after the reply: nothing it reads may wait."""
     ctl = make(storage__backend="none", hybrid=True)
@@ -191,22 +194,69 @@ def test_a_keep_lock_insert_commits_inline_even_during_an_rpc(make) -> None:
     release = ctl.hold_background()
     m = ctl.match("e", MatchRequest("", seq(3), lock=True, allocate_tokens=16))
     ctl.insert("e", InsertRequest("", seq(3), lock_id=m.lock_id, allocation_id=m.allocation_id,
-                                  keep_lock=True))
+                                  keep_lock=True), reply_first=True)
     assert not ctl._mu.owing
     release()
     ctl.insert("e", InsertRequest("", seq(4), lock_id=m.lock_id, allocation_id=m.allocation_id))
     ctl.check_integrity()
 
 
-def test_without_an_rpc_hold_an_insert_commits_inline(make) -> None:
+def test_an_insert_not_replying_first_commits_inline_even_under_a_hold(make) -> None:
+    """A Batch's inserts (and any in-process caller): the next op would pay at once."""
     ctl = make(storage__backend="none")
     ctl.attach("e", 0, 1)
-    _, pages, _ = _request(ctl, "e", seq(3))
+    release = ctl.hold_background()
+    _, pages, _ = _request(ctl, "e", seq(3), reply_first=False)
     assert not ctl._mu.owing
     assert not _allocated(ctl, pages[3:]).any()
+    release()
 
 
-def test_owed_work_that_fails_is_counted_in_stats(make, monkeypatch) -> None:
+def test_a_hold_not_granted_still_pays_at_its_release(make) -> None:
+    """Two Inserts overlap: the second gets no hold of its own (one at a time), yet its
+    end runs what it owed, not only the end of the first."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    first = ctl.hold_background()
+    second = ctl.hold_background()  # not granted: the first RPC holds the flushes
+    _, pages, _ = _request(ctl, "e", seq(3))
+    assert ctl._mu.owing
+    second()
+    assert not ctl._mu.owing
+    assert not _allocated(ctl, pages[3:]).any()
+    first()
+
+
+def test_a_release_that_finds_the_controller_busy_leaves_the_payment_to_the_worker(make) -> None:
+    """On gRPC's poller thread the release never waits: with the mutex busy, the copy
+    worker runs what is owed (and releases the hold) once it is free."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    release = ctl.hold_background()
+    _request(ctl, "e", seq(3))
+    held, go = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with ctl._mu._lock:  # the bare lock: taking it pays nothing
+            held.set()
+            go.wait(5)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    assert held.wait(5)
+    started = time.monotonic()
+    release()
+    assert time.monotonic() - started < 0.5  # did not wait for the mutex
+    assert ctl._mu.owing
+    go.set()
+    t.join(5)
+    deadline = time.monotonic() + 5
+    while ctl._mu.owing or ctl.transfers._flush_holds:
+        assert time.monotonic() < deadline, "the copy worker never paid"
+        time.sleep(0.005)
+
+
+def test_owed_work_that_fails_is_counted_in_stats(make) -> None:
     ctl = make(storage__backend="none")
     ctl.attach("e", 0, 1)
     release = ctl.hold_background()
@@ -214,3 +264,42 @@ def test_owed_work_that_fails_is_counted_in_stats(make, monkeypatch) -> None:
         ctl._mu.owe(lambda: 1 / 0)
     release()
     assert ctl.stats().counters["owed_work_failures"] == 1
+
+
+def test_the_end_of_an_insert_rpc_pays_what_it_owed(tmp_path) -> None:
+    """Through a real gRPC server in this process: once an Insert has answered, what it
+    owed runs without any other call coming (the RPC's end pays it)."""
+    from engine_sim import tiny_config
+
+    from hicache.client import Client
+    from hicache.controller.controller import build_controller
+    from hicache.endpoint import parse_address
+    from hicache.server import Daemon
+
+    socket = tmp_path / "owed.sock"
+    cfg = tiny_config(tmp_path, backend="none", server__listen=f"unix://{socket}")
+    ctl = build_controller(cfg, f"owed{time.monotonic_ns() % 100000}")
+    owed: list[object] = []
+    owe = ctl._mu.owe
+    ctl._mu.owe = lambda work: (owed.append(work), owe(work))  # type: ignore[method-assign]
+    daemon = Daemon(cfg, ctl, parse_address(cfg.server.listen))
+    daemon.start()
+    try:
+        with Client(f"unix://{socket}", engine_id="e") as c:
+            c.attach(map_pools=False)
+            for i in range(20):
+                tokens = seq(3, 1000 * i)
+                m = c.match(tokens, lock=True, allocate_tokens=16)
+                out = c.insert(tokens, lock_id=m.lock_id, allocation_id=m.allocation_id)
+                assert out.inserted_tokens == 12
+                # Nothing else calls the controller now: only the RPC's end can pay.
+                deadline = time.monotonic() + 5
+                while ctl._mu.owing:
+                    assert time.monotonic() < deadline, "the Insert's owed work never ran"
+                    time.sleep(0.002)
+                assert ctl._engines.lock_count == 0
+                assert ctl._engines.allocation_count == 0
+        assert len(owed) == 20  # each Insert owed its commits (none ran inline)
+        ctl.check_integrity()
+    finally:
+        daemon.stop()  # (closes the controller)
