@@ -249,12 +249,7 @@ class CacheService(abc.ABC):
     def allocate(self, engine_id: str, req: AllocateRequest) -> AllocationInfo: ...
 
     @abc.abstractmethod
-    def insert(self, engine_id: str, req: InsertRequest, *, reply_first: bool = False) -> InsertOutcome:
-        """Commit a request's KV. `reply_first`: the caller (a unary Insert RPC) sends the
-        outcome before anything else of its own, then calls the release of the hold it
-        took (`hold_background`): what the insert commits beyond the tree is then owed,
-        not run before the answer (`hicache.controller.mutex`). Off for a Batch, whose
-        next op would pay it at once."""
+    def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome: ...
 
     @abc.abstractmethod
     def release(self, engine_id: str, lock_id: int | None, allocation_id: int | None) -> None:
@@ -269,10 +264,9 @@ class CacheService(abc.ABC):
         until the returned function is called (the first call counts); then it goes in
         one flush. The server holds it for an Insert or Batch RPC and releases it once
         the response is on the wire, so the copies do not compete with sending it. One
-        hold at a time (a hold asked for meanwhile is not granted), so copies wait for one
-        RPC at most. Every release, granted or not, runs what an `insert(reply_first=True)`
-        owes, unless someone else using the controller ran it first. The release never
-        waits for a busy controller (it runs on gRPC's poller thread).
+        hold at a time (a hold asked for meanwhile is not granted: its release does
+        nothing), so copies wait for one RPC at most. The release never waits for a busy
+        controller (it runs on gRPC's poller thread).
         Nothing may wait for held work: an allocation that needs it releases it at once."""
 
     @abc.abstractmethod

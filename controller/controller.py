@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -37,7 +36,6 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.controller.engines import AllocationRecord, Engine, EngineRegistry, LockRecord
-from hicache.controller.mutex import OwingMutex
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
@@ -51,13 +49,16 @@ from hicache.tiers.host import build_host_pools
 from hicache.tiers.storage.base import BackendHealth
 from hicache.tiers.storage.registry import build_backend
 from hicache.tree import HiRadixTree
-from hicache.tree.results import InsertResult
 from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBackendName, Tier
 
 log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
 HEALTH_PROBE_S = 5.0  # a healthy-looking L3 is asked this often (shallow probe)
 L3_CONNECT_RETRY_S = 5.0  # a configured L3 that could not be reached at start is retried this often
+
+
+def _nothing() -> None:
+    """The release of a hold that was not granted."""
 
 
 class _InsertPlan(NamedTuple):
@@ -84,7 +85,7 @@ class HybridCacheController(CacheService):
         # reported unhealthy by `health` and retried in the background.
         self.l3_down: str | None = None
         self.counters: Counter[str] = Counter()
-        self._mu = OwingMutex()
+        self._mu = threading.RLock()
         self._ps = cfg.model.page_size
         self._pb = self._ps * 4
         self._kinds = cfg.model.component_kinds
@@ -508,7 +509,7 @@ class HybridCacheController(CacheService):
         session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
         return _InsertPlan(lock_rec, alloc, begin, need, pages, slot, session)
 
-    def insert(self, engine_id: str, req: InsertRequest, *, reply_first: bool = False) -> InsertOutcome:
+    def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
         self._check_tokens(req.tokens)
         if req.keep_lock and not req.lock_id:
             # The lock carries where the request's device pages start; without one the
@@ -532,7 +533,7 @@ class HybridCacheController(CacheService):
                 if plan.slot is None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                     fresh = None
-            lock_rec, slot = plan.lock, plan.slot
+            lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
             try:
                 result = self.tree.insert(
                     req.namespace, req.tokens, plan.pages, lock=lock_rec.tree_lock if lock_rec else None,
@@ -542,40 +543,26 @@ class HybridCacheController(CacheService):
                 if fresh is not None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                 raise
-            if reply_first and not req.keep_lock:
-                # The reply waits for none of it, and only holders of the mutex read what
-                # it changes: owed, it runs once the reply is sent (the hold's release) or
-                # before the mutex's next use, whichever comes first.
-                self._mu.owe(partial(self._after_insert, engine_id, req, plan, result, fresh))
-            else:
-                self._after_insert(engine_id, req, plan, result, fresh)
+            for kind, ids in result.released.items():
+                if req.keep_lock and alloc is not None and kind in alloc.pages:
+                    # The request goes on reading these (its block table points at them):
+                    # they leave with the allocation (final Insert, Release, lapse).
+                    if len(ids):
+                        alloc.retired.setdefault(kind, []).append(ids)
+                else:
+                    self.transfers.free_l1(kind, ids)
+            if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
+                for kind, ids in result.dropped.items():
+                    self.transfers.free_l2(kind, ids)
+                self.transfers.refill_host(result.end)
+            if lock_rec is not None and not req.keep_lock:
+                self._engines.pop_lock(engine_id, req.lock_id or 0)
+                self._request_moves_on(req.lock_id)
+            if alloc is not None:
+                self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
+            if result.end is not None:
+                self.transfers.after_insert(result.end)
             return InsertOutcome(result.inserted_tokens, result.reused_tokens)
-
-    def _after_insert(self, engine_id: str, req: InsertRequest, plan: _InsertPlan,
-                      result: InsertResult, fresh: int | None) -> None:
-        """What an Insert commits beyond the tree (caller holds the mutex): pages the tree
-        did not take go back, the lock and allocation end (or go on, `keep_lock`), and
-        the write-through of the new nodes is queued."""
-        lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
-        for kind, ids in result.released.items():
-            if req.keep_lock and alloc is not None and kind in alloc.pages:
-                # The request goes on reading these (its block table points at them):
-                # they leave with the allocation (final Insert, Release, lapse).
-                if len(ids):
-                    alloc.retired.setdefault(kind, []).append(ids)
-            else:
-                self.transfers.free_l1(kind, ids)
-        if result.dropped:  # a shorter L2 copy of an SWA tail this insert grew
-            for kind, ids in result.dropped.items():
-                self.transfers.free_l2(kind, ids)
-            self.transfers.refill_host(result.end)
-        if lock_rec is not None and not req.keep_lock:
-            self._engines.pop_lock(engine_id, req.lock_id or 0)
-            self._request_moves_on(req.lock_id)
-        if alloc is not None:
-            self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
-        if result.end is not None:
-            self.transfers.after_insert(result.end)
 
     def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
                             begin: int, used: int, slot: int | None, fresh: int | None) -> None:
@@ -613,8 +600,9 @@ class HybridCacheController(CacheService):
 
     def hold_background(self) -> Callable[[], None]:
         with self._mu:
-            # Not granted while another RPC holds them: its end sends them.
-            held = [True] if self.transfers.hold_flushes() else []
+            if not self.transfers.hold_flushes():  # another RPC holds them: its end sends
+                return _nothing
+        held = [True]
 
         def release_locked() -> None:
             if held:
@@ -622,21 +610,18 @@ class HybridCacheController(CacheService):
                 self.transfers.release_flushes()
 
         def release_on_worker() -> None:
-            with self._mu:  # (taking it runs what is owed)
+            with self._mu:
                 release_locked()
 
         def release() -> None:
             # Runs on gRPC's poller thread, which must not wait for the mutex (every
             # RPC's dispatch would wait with it): when the mutex is busy, the copy
-            # worker releases the hold (and then runs the flush it schedules) and runs
-            # what is owed. Taking the mutex runs what is owed first.
+            # worker releases the hold (and then runs the flush it schedules).
             if self._mu.acquire(blocking=False):
                 try:
                     release_locked()
                 finally:
                     self._mu.release()
-                return
-            if not held and not self._mu.owing:
                 return
             job = Job("release-held-copies", release_on_worker, lambda _e: None)
             if not self.transfers.copy_worker.submit(job):  # closed or full: wait here
@@ -706,7 +691,6 @@ class HybridCacheController(CacheService):
             counters["prefetches_running"] = self.prefetcher.running
             counters["active_locks"] = self._engines.lock_count
             counters["active_allocations"] = self._engines.allocation_count
-            counters["owed_work_failures"] = self._mu.failures
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
                 counters["l3_breaker_trips"] = self.l3.breaker.trips

@@ -96,7 +96,7 @@ class Prefetcher:
         self.worker = Worker("prefetch", capacity=256, retries=0)  # not idempotent: no retry
         self.l1_worker = Worker("prefetch-to-l1", capacity=256, retries=0)
         # Notified (mutex held) whenever a copy to L1 lands or is given up.
-        self.l1_landed = ctl._mu.condition()
+        self.l1_landed = threading.Condition(ctl._mu)
         self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
         # Prefetch ids are the only handles not checked against their engine (any engine
         # of the model may poll one): random, so that one tenant cannot guess another's.

@@ -144,7 +144,7 @@ class Transfers:
         # someone needs them (an allocation, drain, close), due at once.
         self._batch_pages = self.cfg.write.l1_to_l2_batch_pages
         self._batch_s = self.cfg.write.l1_to_l2_batch_ms / 1e3
-        self._flush_wake = ctl._mu.condition()
+        self._flush_wake = threading.Condition(ctl._mu)
         self._flush_waiting = False
         self._flush_now = False
         # An Insert or Batch RPC under way whose copies wait for its response to be sent
@@ -161,7 +161,7 @@ class Transfers:
         }
         # Notified whenever a copy lands or held host pages are released: an allocation
         # short of room waits on it (releasing the mutex) rather than failing at once.
-        self.landed = ctl._mu.condition()
+        self.landed = threading.Condition(ctl._mu)
         self._evicting = 0  # inside a tree eviction callback: never wait there
 
     def start(self) -> None:

@@ -254,8 +254,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def Insert(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._hold_background_until_sent(context)
-        req = _session_scoped(convert.insert_request_from_pb(request, self._limit))
-        return convert.insert_to_pb(self._core.insert(engine_of(context), req, reply_first=True))
+        return self._insert(engine_of(context), request)
 
     def Release(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self._release(engine_of(context), request)
@@ -279,9 +278,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         """Write-through copies this RPC starts wait until its response is on the wire
         (gRPC runs the callback when the RPC ends, however it ends): started at once,
         they would compete with sending it (bench rpc, 6 alternating runs: a round went
-        from 2.59x to 2.50x an empty call, mean). So does what a unary Insert owes once
-        its tree insert has the reply's figures (`CacheService.insert`, `reply_first`):
-        the release runs it."""
+        from 2.59x to 2.50x an empty call, mean)."""
         release = self._core.hold_background()
         if not context.add_callback(release):  # already over
             release()
