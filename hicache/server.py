@@ -44,6 +44,7 @@ HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 WORKERS = 32
 STOP_GRACE_S = 5.0
+SIGNAL_POLL_S = 0.2  # how often the main thread wakes to run a signal's handler
 HEALTH_REFRESH_S = 1.0
 MESSAGE_SLACK_BYTES = 1 << 20
 
@@ -208,9 +209,15 @@ def serve(
     endpoint = parse_address(cfg.server.listen)
     check_security(cfg, endpoint)
     stop = stop or threading.Event()
+    # Python runs a signal's handler on the main thread, and only once that thread runs:
+    # asleep in an untimed wait, it never did when the signal reached another thread
+    # (a SIGTERM went unheeded until a second one 30 s later, in 1 of 15 stops beside
+    # busy loops), so it wakes every SIGNAL_POLL_S. The handler takes no lock:
+    # Event.set() there could wait for the lock the main thread holds in Event.wait().
+    signalled: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _frame: signalled.append(signum))
     lock = SocketLock(endpoint.path) if endpoint.path is not None else None
     if lock is not None:
         lock.acquire()
@@ -221,12 +228,13 @@ def serve(
         except BaseException:
             core.close()  # its pools (L1 shared memory) must not outlive the attempt
             raise
+        # Before serving: the collection it starts with holds the GIL for ~0.1 s.
+        frozen = freeze_startup_heap()
         try:
             daemon.start()
         except BaseException:
             daemon.stop()
             raise
-        frozen = freeze_startup_heap()
         log.info(
             "hicache daemon ready: listen=%s model=%s page_size=%d members=%s metrics_port=%d "
             "gc_frozen=%d",
@@ -237,7 +245,8 @@ def serve(
             daemon.metrics_port,
             frozen,
         )
-        stop.wait()
+        while not signalled and not stop.wait(SIGNAL_POLL_S):
+            pass
         log.info("hicache daemon stopping")
         daemon.stop()
     finally:
@@ -248,7 +257,7 @@ def serve(
 
 
 def freeze_startup_heap() -> int:
-    """Move every object alive once the daemon is up (the imported libraries, the config,
+    """Move every object alive once the daemon is built (the imported libraries, the config,
     the pools: ~180,000 objects here, nearly all of them torch's and grpc's) out of the
     cyclic garbage collector's reach, and return how many there are. They live as long as
     the process, yet a full collection walked them all: 85-100 ms with the GIL held, every

@@ -61,6 +61,36 @@ def test_freeze_startup_heap_leaves_a_full_collection_only_what_came_after() -> 
     assert out.stdout.strip() == "ok"
 
 
+def test_a_sigterm_that_reaches_another_thread_still_stops_the_daemon(tmp_path: Path) -> None:
+    """The kernel may hand a process's signal to any of its threads; Python runs the
+    handler on the main thread only, so that thread must not sleep until another one."""
+    script = textwrap.dedent("""
+        import signal, sys, threading, time
+        from pathlib import Path
+        from hicache.config import load_config
+        from hicache.server import serve
+        sock = Path(sys.argv[1])
+        cfg = load_config(None, [f"server.listen=unix://{sock}", "tiers.l1.tokens=1024",
+                                 "tiers.l2.reserve_gb=0", "metrics.port=0"])
+        sent = []
+        def kick():
+            while not sock.exists():
+                time.sleep(0.05)
+            time.sleep(0.5)
+            sent.append(time.monotonic())
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # this thread only
+        threading.Thread(target=kick, daemon=True).start()
+        rc = serve(cfg)
+        print(rc, round(time.monotonic() - sent[0], 2))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "d.sock")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rc, seconds = out.stdout.split()
+    assert rc == "0"
+    assert float(seconds) < 10  # (it slept until killed before)
+
+
 def test_second_daemon_on_the_same_socket_is_refused(make_daemon: MakeDaemon) -> None:
     first = make_daemon()
     second = make_daemon(start=False)
