@@ -20,6 +20,7 @@ import numpy as np
 
 from hicache.config import HicacheConfig
 from hicache.controller.base import (
+    NO_PAGES,
     AllocateRequest,
     AllocationInfo,
     AttachInfo,
@@ -316,7 +317,7 @@ class HybridCacheController(CacheService):
             beyond = beyond[: fetch * PAGE_HASH_BYTES]
         prefetch_id = 0
         alloc_id = 0
-        alloc_pages: PagesByMember = {}
+        alloc_pages: PagesByMember = NO_PAGES  # (the outcome's own empty default)
         with self._mu:
             self.counters["hit_tokens_storage"] += storage_tokens
             def lock_alive() -> None:

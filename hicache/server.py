@@ -210,10 +210,11 @@ def serve(
     check_security(cfg, endpoint)
     stop = stop or threading.Event()
     # Python runs a signal's handler on the main thread, and only once that thread runs:
-    # asleep in an untimed wait, it never did when the signal reached another thread
-    # (a SIGTERM went unheeded until a second one 30 s later, in 1 of 15 stops beside
-    # busy loops), so it wakes every SIGNAL_POLL_S. The handler takes no lock:
-    # Event.set() there could wait for the lock the main thread holds in Event.wait().
+    # asleep in an untimed wait, it did not when the signal reached another thread (a
+    # SIGTERM went unheeded until a second one came 30 s later, once in a suite run beside
+    # busy loops; 1 of 15 stops in a stress run), so it wakes every SIGNAL_POLL_S. The
+    # handler takes no lock: Event.set() there could wait for the lock the main thread
+    # holds inside Event.wait().
     signalled: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,7 +9,13 @@ import time
 import pytest
 from engine_sim import Engine, evict_all, prefetch_back, seq, wait_prefetch
 
-from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest, PrefetchState
+from hicache.controller.base import (
+    NO_PAGES,
+    AllocateRequest,
+    InsertRequest,
+    MatchRequest,
+    PrefetchState,
+)
 from hicache.convert import canonical_counters
 from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
@@ -449,6 +455,21 @@ def test_cancel_returns_what_arrived_and_frees_the_rest(make) -> None:
     assert ctl.tree.resident_pages(Tier.HOST, FULL) * 4 >= ready  # what arrived stays in L2
     counts, _ = canonical_counters(ctl.stats().counters)
     assert (counts["prefetches_cancelled"], counts["prefetches_done"], counts["prefetches_running"]) == (1, 0, 0)
+
+
+def test_a_match_that_allocates_nothing_returns_the_shared_empty_pages(make) -> None:
+    """No fresh mapping per request: the outcome's read-only default, which no caller can
+    fill by mistake."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    m = ctl.match("e", MatchRequest("", seq(2), lock=True))
+    assert m.pages is NO_PAGES and not m.pages
+    with pytest.raises(TypeError):
+        m.pages["full"] = m.device_pages.get("full")  # type: ignore[index]
+    ctl.release("e", m.lock_id, None)
+    a = ctl.match("e", MatchRequest("", seq(2), lock=True, allocate_tokens=8))
+    assert len(a.pages["full"]) == 2  # (an allocation still gets its own)
+    ctl.release("e", a.lock_id, a.allocation_id)
 
 
 def test_bad_handles_and_inputs(make) -> None:
