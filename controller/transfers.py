@@ -499,7 +499,6 @@ class Transfers:
             batch = self._take_pending()
             if not batch:
                 return
-            self.stats["l2_flushes"] += 1
             try:
                 self._reserve_host(batch)
             except BaseException:
@@ -600,7 +599,10 @@ class Transfers:
                 self.free_l2(kind, ids[used[kind] :])
 
     def _land_l2(self, batch: list[HostCopy], copied: bool) -> None:
-        """Caller holds the mutex."""
+        """Caller holds the mutex. Ends one flush, copied or not: `l2_flushes` counts it
+        here, so a flush counted has landed (counted when it started, a reader could see
+        it before its pages were in L2)."""
+        self.stats["l2_flushes"] += 1
         landed: dict[int, object] = {}
         l3 = self.ctl.l3 is not None  # (else `_maybe_l3` has nothing to do: no list to build)
         for copy in batch:

@@ -383,6 +383,31 @@ def test_copies_due_by_time_go_when_the_next_rpc_ends_not_in_between(make, monke
     reload_and_verify(ctl, eng, prompts)
 
 
+def test_a_flush_is_counted_once_its_pages_have_landed(make) -> None:
+    """`l2_flushes` (what `wait_for_flushes` polls) counts a flush when it lands: counted
+    when it started, a reader could see it before the pages were in L2 (the idle-timeout
+    test below failed that way once in CI)."""
+    ctl = make(write__l1_to_l2_batch_pages=2)
+    eng = Engine(ctl)
+    copier = ctl.transfers.copier
+    inner = copier.device_to_host
+    copying, go = threading.Event(), threading.Event()
+
+    def slow(kind, device_ids, host_ids, on_layer=None):
+        copying.set()
+        assert go.wait(10)
+        return inner(kind, device_ids, host_ids, on_layer)
+
+    copier.device_to_host = slow
+    rpc_request(ctl, eng, seq(2, 1000))
+    assert copying.wait(10)  # the flush has started and is copying
+    assert ctl.transfers.stats["l2_flushes"] == 0
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+    go.set()
+    wait_for_flushes(ctl, 1)
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2  # counted: landed
+
+
 def test_with_no_rpc_ending_a_batch_goes_after_the_idle_timeout(make) -> None:
     ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=20)
     eng = Engine(ctl)
