@@ -438,7 +438,8 @@ class HybridCacheController(CacheService):
         self._check_count("num_tokens", req.num_tokens, 1)
         with self._mu:
             engine = self._engines.renew(engine_id)
-            if req.allocation_id:
+            # A handle sent as 0 is looked up (and refused): 0 is never a handle.
+            if req.allocation_id is not None:
                 self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
                 grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
                 # Allocating may have waited with the mutex released: the allocation must
@@ -452,11 +453,11 @@ class HybridCacheController(CacheService):
                 for kind, ids in grown.items():
                     record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
-            if req.lock_id:
+            if req.lock_id is not None:
                 self._engines.lock(engine_id, req.lock_id, req.namespace)
 
             def start() -> tuple[int, np.ndarray | None]:
-                if not req.lock_id:
+                if req.lock_id is None:
                     return 0, None
                 lock = self._engines.lock(engine_id, req.lock_id).tree_lock  # (still held?)
                 checkpoint = None
@@ -465,7 +466,7 @@ class HybridCacheController(CacheService):
                 return self.tree.depth_tokens(lock.device_end) // self._ps, checkpoint
 
             alloc_id, pages = self._new_allocation(
-                engine_id, req.namespace, req.num_tokens, req.lock_id or None, start, engine
+                engine_id, req.namespace, req.num_tokens, req.lock_id, start, engine
             )
             return AllocationInfo(alloc_id, pages)
 
@@ -485,9 +486,10 @@ class HybridCacheController(CacheService):
         """Check an Insert against its handles (caller holds the mutex) and work out what
         it commits; raises for every error of the request's own, changing nothing."""
         self._engines.renew(engine_id)
-        lock_rec = self._engines.lock(engine_id, req.lock_id, req.namespace) if req.lock_id else None
+        lock_rec = (self._engines.lock(engine_id, req.lock_id, req.namespace)
+                    if req.lock_id is not None else None)
         alloc = (self._engines.allocation(engine_id, req.allocation_id, req.namespace)
-                 if req.allocation_id else None)
+                 if req.allocation_id is not None else None)
         tree_lock = lock_rec.tree_lock if lock_rec else None
         if tree_lock is not None and not req.tokens.startswith(tree_lock.prefix):
             raise InvalidArgument("tokens do not start with the prefix the lock was matched on")
@@ -495,16 +497,25 @@ class HybridCacheController(CacheService):
         total = len(req.tokens) // self._pb
         need = total - begin
         pages: dict[ComponentKind, np.ndarray] = {}
-        if need > 0:
-            if alloc is None:
-                raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
+        if alloc is not None:
+            # Checked whether or not the insert takes pages from it: committing consumes the
+            # allocation up to `begin`, and another request's lock would move it backwards
+            # (its owner's next Insert would then commit each page at the wrong position).
+            if alloc.lock_id is not None and req.lock_id != alloc.lock_id:
+                raise InvalidArgument(
+                    f"allocation {req.allocation_id} belongs to the match of lock "
+                    f"{alloc.lock_id}; this insert gives lock {req.lock_id}"
+                )
             lo = begin - alloc.start_page
             have = len(alloc.pages[self._paged[0]])
-            if lo < 0 or lo + need > have:
+            if lo < 0 or (need > 0 and lo + need > have):
                 raise InvalidArgument(
                     f"allocation {req.allocation_id} covers token pages [{alloc.start_page}, "
                     f"{alloc.start_page + have}); insert needs [{begin}, {total})"
                 )
+        if need > 0:
+            if alloc is None:
+                raise InvalidArgument(f"{need} new pages of tokens but no allocation_id")
             pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
         slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
         session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
@@ -512,7 +523,7 @@ class HybridCacheController(CacheService):
 
     def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
         self._check_tokens(req.tokens)
-        if req.keep_lock and not req.lock_id:
+        if req.keep_lock and req.lock_id is None:
             # The lock carries where the request's device pages start; without one the
             # next Insert could not tell which pages of the allocation it continues from.
             raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
@@ -588,15 +599,15 @@ class HybridCacheController(CacheService):
             self._free_allocation(alloc)
 
     def release(self, engine_id: str, lock_id: int | None, allocation_id: int | None) -> None:
-        if not lock_id and not allocation_id:
+        if lock_id is None and allocation_id is None:
             raise InvalidArgument("release needs a lock_id or an allocation_id")
         with self._mu:
-            if lock_id:
+            if lock_id is not None:
                 record = self._engines.pop_lock(engine_id, lock_id)
                 self._request_moves_on(lock_id)
                 if record.tree_lock.active:
                     self.tree.unlock(record.tree_lock)
-            if allocation_id:
+            if allocation_id is not None:
                 self._free_allocation(self._engines.pop_allocation(engine_id, allocation_id))
 
     def hold_background(self) -> Callable[[], None]:

@@ -19,6 +19,10 @@ from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.tree import TreeLock
 from hicache.types import ComponentKind
 
+# Said with a NOT_FOUND for handle 0: no handle is 0 (a response's 0 means "none was
+# created"); a request that has none leaves the field unset.
+_ZERO = " (0 is never a handle: leave the field unset for none)"
+
 
 @dataclass
 class LockRecord:
@@ -149,7 +153,7 @@ class EngineRegistry:
         another one."""
         record = self._locks.get(lock_id)
         if record is None or record.engine_id != engine_id:
-            raise NotFound(f"lock {lock_id} is unknown or already released")
+            raise NotFound(f"lock {lock_id} is unknown or already released{_ZERO if not lock_id else ''}")
         if namespace is not None and record.namespace != namespace:
             raise InvalidArgument(f"namespace {namespace!r} does not match lock {lock_id}'s namespace")
         return record
@@ -181,7 +185,7 @@ class EngineRegistry:
         another one."""
         record = self._allocations.get(alloc_id)
         if record is None or record.engine_id != engine_id:
-            raise NotFound(f"allocation {alloc_id} is unknown or already released")
+            raise NotFound(f"allocation {alloc_id} is unknown or already released{_ZERO if not alloc_id else ''}")
         if namespace is not None and record.namespace != namespace:
             raise InvalidArgument(f"namespace {namespace!r} does not match allocation {alloc_id}'s")
         return record

@@ -599,3 +599,79 @@ def test_a_write_refused_by_the_read_breaker_keeps_the_write_breakers_probe(make
         l3.write(*args)
     l3.breaker.success()  # the read side recovers
     assert l3.write(*args) == 2  # the write probe was still there
+
+
+def test_an_insert_pairing_an_allocation_with_another_requests_lock_changes_nothing(make) -> None:
+    """Request 1's allocation sent with request 2's lock (which needs no new pages) used to
+    be accepted and move the allocation's start back a page: request 1's own Insert then
+    committed each of its pages one position off (wrong KV served to later requests)."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    cached = seq(2)
+    m0 = ctl.match("e", MatchRequest("", cached, lock=True, allocate_tokens=8))
+    ctl.insert("e", InsertRequest("", cached, lock_id=m0.lock_id, allocation_id=m0.allocation_id))
+    prompt = cached + seq(4, 100)  # 6 pages, the first 2 cached
+    m1 = ctl.match("e", MatchRequest("", prompt, lock=True, allocate_tokens=24))
+    m2 = ctl.match("e", MatchRequest("", seq(1), lock=True))  # another request's lock
+    with pytest.raises(InvalidArgument, match=f"belongs to the match of lock {m1.lock_id}"):
+        ctl.insert("e", InsertRequest("", seq(1), lock_id=m2.lock_id,
+                                      allocation_id=m1.allocation_id, keep_lock=True))
+    with pytest.raises(InvalidArgument, match=f"belongs to the match of lock {m1.lock_id}"):
+        ctl.insert("e", InsertRequest("", cached, allocation_id=m1.allocation_id))  # no lock
+    assert ctl.heartbeat("e").locks == 2 and ctl.heartbeat("e").allocations == 1
+    ctl.insert("e", InsertRequest("", prompt, lock_id=m1.lock_id, allocation_id=m1.allocation_id))
+    again = ctl.match("e", MatchRequest("", prompt))
+    assert again.device_tokens == 24
+    assert np.array_equal(again.device_pages["full"][2:], m1.pages["full"])  # in place
+    ctl.release("e", m2.lock_id, None)
+    ctl.check_integrity()
+
+
+def test_an_allocation_without_a_lock_is_not_consumed_backwards(make) -> None:
+    """An allocation made without a lock, advanced by a keep_lock Insert, refuses a later
+    Insert whose lock starts before what it already committed."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    prompt = seq(4, 300)
+    m = ctl.match("e", MatchRequest("", prompt, lock=True))
+    a = ctl.allocate("e", AllocateRequest("", 16))
+    ctl.insert("e", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=a.allocation_id,
+                                  keep_lock=True))
+    short = ctl.match("e", MatchRequest("", prompt[: 2 * 16], lock=True))
+    with pytest.raises(InvalidArgument, match=r"covers token pages \[4, 4\); insert needs \[2, 2\)"):
+        ctl.insert("e", InsertRequest("", prompt[: 2 * 16], lock_id=short.lock_id,
+                                      allocation_id=a.allocation_id, keep_lock=True))
+    for lock in (m.lock_id, short.lock_id):
+        ctl.release("e", lock, None)
+    ctl.release("e", None, a.allocation_id)
+    assert ctl.heartbeat("e").locks == 0 and ctl.heartbeat("e").allocations == 0
+    ctl.check_integrity()
+
+
+@pytest.mark.parametrize("call", ["allocate-grow", "allocate-lock", "insert-lock",
+                                  "insert-allocation", "release-lock", "release-allocation"])
+def test_a_handle_sent_as_0_is_not_found_and_changes_nothing(make, call: str) -> None:
+    """0 is never a handle (a response's 0 means none was created): a request that sends
+    it gets NOT_FOUND, as the proto says. It used to read as "absent": Allocate made a new
+    allocation where the engine meant to grow one, Insert ignored the handle."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e", 0, 1)
+    prompt = seq(2, 700)
+    m = ctl.match("e", MatchRequest("", prompt, lock=True, allocate_tokens=8))
+    calls = {
+        "allocate-grow": lambda: ctl.allocate("e", AllocateRequest("", 4, allocation_id=0)),
+        "allocate-lock": lambda: ctl.allocate("e", AllocateRequest("", 4, lock_id=0)),
+        "insert-lock": lambda: ctl.insert("e", InsertRequest("", prompt, lock_id=0,
+                                                             allocation_id=m.allocation_id)),
+        "insert-allocation": lambda: ctl.insert("e", InsertRequest("", prompt, lock_id=m.lock_id,
+                                                                   allocation_id=0)),
+        "release-lock": lambda: ctl.release("e", 0, None),
+        "release-allocation": lambda: ctl.release("e", None, 0),
+    }
+    kind = "allocation" if call.endswith(("grow", "allocation")) else "lock"
+    with pytest.raises(NotFound, match=rf"{kind} 0 is unknown .*0 is never a handle"):
+        calls[call]()
+    assert ctl.heartbeat("e").locks == 1 and ctl.heartbeat("e").allocations == 1
+    ctl.insert("e", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert ctl.match("e", MatchRequest("", prompt)).device_tokens == 8
+    ctl.check_integrity()
