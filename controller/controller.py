@@ -419,7 +419,11 @@ class HybridCacheController(CacheService):
             self._free_allocation(AllocationRecord(engine_id, namespace, 0, pages, slot))
             raise
         if slot is not None and checkpoint is not None and len(checkpoint):
-            self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
+            try:
+                self.transfers.copy_l1_slot(MAMBA, int(checkpoint[0]), slot)  # copy-on-write
+            except BaseException:  # (the copy engine's error): nobody would free them
+                self._free_allocation(AllocationRecord(engine_id, namespace, 0, pages, slot))
+                raise
         record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
         try:
             alloc_id = self._engines.add_allocation(record, made_for)
@@ -592,7 +596,11 @@ class HybridCacheController(CacheService):
             # private copy to go on writing (copy-on-write).
             alloc.mamba_slot = None
             if fresh is not None:
-                self.transfers.copy_l1_slot(MAMBA, slot, fresh)
+                try:
+                    self.transfers.copy_l1_slot(MAMBA, slot, fresh)
+                except BaseException:  # (the copy engine's error): the commit stands
+                    self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
+                    raise
                 alloc.mamba_slot = fresh
         if not req.keep_lock:
             self._engines.pop_allocation(engine_id, req.allocation_id or 0)

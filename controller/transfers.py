@@ -25,6 +25,7 @@ from hicache.controller.base import LoadProgress
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
+from hicache.logthrottle import ThrottledLog
 from hicache.tree import MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, PageHash, Tier, WritePolicy
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from hicache.tiers.base import CopyEngine, LayerCallback
 
 log = logging.getLogger("hicache.controller")
+_failed = ThrottledLog(log)  # a broken copy engine fails every backup: one record a key
 
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
@@ -315,8 +317,9 @@ class Transfers:
         return None
 
     def _l1_victim(self, victim: Victim) -> None:
-        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks)."""
-        self.backup_to_host(victim.node)
+        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks). A
+        failed copy does not stop the eviction: the slot then leaves the cache."""
+        self._backup_to_host_or_count(victim.node, "write-back")
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
@@ -393,16 +396,32 @@ class Transfers:
         return moves
 
     def backup_to_host(self, node: object) -> bool:
-        """Copy `node`'s family slots that L2 lacks from L1 (synchronous: a local copy)."""
+        """Copy `node`'s family slots that L2 lacks from L1 (synchronous: a local copy).
+        A failing copy frees the L2 pages of the slots not landed yet, then raises."""
         moves = self._host_copies(node)
-        for kind, dev, host_ids in moves:
-            self.copier.device_to_host(kind, dev, host_ids)
+        for i, (kind, dev, host_ids) in enumerate(moves):
+            try:
+                self.copier.device_to_host(kind, dev, host_ids)
+            except BaseException:
+                for k, _dev, ids in moves[i:]:
+                    self.free_l2(k, ids)
+                raise
             if kind is FULL or self.tree.is_resident(node, FULL, Tier.HOST):
                 self.tree.set_resident(node, kind, Tier.HOST, host_ids)
                 self.stats["backups_l2"] += len(dev)
             else:  # FULL could not go: a slot alone in L2 is of no use
                 self.free_l2(kind, host_ids)
         return bool(moves)
+
+    def _backup_to_host_or_count(self, node: object, why: str) -> None:
+        """`backup_to_host` where a failure must not fail the caller (a match, an
+        eviction): the backup is dropped (counted `backups_l2_failed`, logged)."""
+        try:
+            self.backup_to_host(node)
+        except Exception as e:  # the copy engine's error: its pages are freed already
+            self.stats["backups_l2_failed"] += 1
+            _failed.error(f"{why}:{type(e).__name__}", "L1->L2 copy (%s) failed; not backed up",
+                          why, exc_info=e)
 
     def after_insert(self, end: object) -> None:
         """Write-through at insert: L1 -> L2 for the path's new pages (on the copy
@@ -647,7 +666,7 @@ class Transfers:
             for node in m.path:
                 if (self.tree.hits(node) >= threshold and self.tree.is_resident(node, FULL, Tier.DEVICE)
                         and not self.tree.is_resident(node, FULL, Tier.HOST)):
-                    self.backup_to_host(node)
+                    self._backup_to_host_or_count(node, "selective write-through")
         self._maybe_l3(m.path)
 
     def _maybe_l3(self, nodes: tuple[object, ...] | list[object]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_sim import Engine, evict_all, seq
 
-from hicache.controller.base import AllocateRequest, MatchRequest
+from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
 from hicache.errors import ResourceExhausted
 from hicache.types import ComponentKind, Tier
 
@@ -112,3 +112,76 @@ def test_a_synchronous_backup_never_waits_for_room_in_l2(make) -> None:
     finally:
         ctl.transfers._queued_l2.discard(-1)
         host.free(filler)
+
+
+class CopyFails(RuntimeError):
+    pass
+
+
+def _failing(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+    raise CopyFails("simulated copy engine error")
+
+
+def test_a_failed_selective_backup_fails_no_match_and_leaks_no_l2_page(make, monkeypatch) -> None:
+    """The copy engine failing during a match's selective write-through used to fail the
+    match with the path's tree lock taken and never registered (no Release could reach
+    it) and its L2 pages reserved by nobody. Now the backup is dropped and counted."""
+    ctl = make(storage__backend="none", write__l1_to_l2="write_through_selective",
+               write__selective_threshold=2)
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    ctl.match("e1", MatchRequest("", seq(4)))  # one hit below the threshold
+    monkeypatch.setattr(ctl.transfers.copier, "device_to_host", _failing)
+    m = ctl.match("e1", MatchRequest("", seq(4), lock=True))  # the threshold: a backup
+    assert m.device_tokens == 16 and ctl.transfers.stats["backups_l2_failed"] == 1
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+    ctl.release("e1", m.lock_id, None)
+    assert ctl.tree.active_locks == 0
+    ctl.check_integrity()
+    monkeypatch.undo()
+    ctl.match("e1", MatchRequest("", seq(4)))  # the next hit backs it up
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 4
+    ctl.check_integrity()
+
+
+def test_a_failed_write_back_copy_still_evicts_and_leaks_no_l2_page(make, monkeypatch) -> None:
+    ctl = make(storage__backend="none", write__l1_to_l2="write_back")
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    monkeypatch.setattr(ctl.transfers.copier, "device_to_host", _failing)
+    evict_all(ctl, Tier.DEVICE)
+    assert ctl.transfers.stats["backups_l2_failed"] >= 1
+    assert ctl.tree.resident_pages(Tier.DEVICE, FULL) == 0
+    assert ctl.tree.resident_pages(Tier.HOST, FULL) == 0
+    ctl.check_integrity()
+
+
+def test_a_failed_checkpoint_copy_leaves_no_page_of_the_allocation(make, monkeypatch) -> None:
+    """A hybrid match continuing a checkpoint copies it into the new allocation's slot
+    (copy-on-write); that copy failing used to leave the allocation's pages and slot
+    owned by nobody. The keep_lock Insert's copy of the checkpoint likewise."""
+    ctl = make(hybrid=True, storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    prompt = seq(4)
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True, allocate_tokens=16))
+    ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                   mamba_checkpoint=True))
+    before = held(ctl)
+    monkeypatch.setattr(ctl.transfers.copier, "copy_within_device", _failing)
+    with pytest.raises(CopyFails):
+        ctl.match("e1", MatchRequest("", prompt + seq(2, 1000), lock=True, allocate_tokens=24))
+    assert held(ctl) == before and ctl.heartbeat("e1").allocations == 0
+    ctl.check_integrity()
+    monkeypatch.undo()
+    longer = prompt + seq(2, 2000)
+    m = ctl.match("e1", MatchRequest("", longer, lock=True, allocate_tokens=32))
+    monkeypatch.setattr(ctl.transfers.copier, "copy_within_device", _failing)
+    with pytest.raises(CopyFails):
+        ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id,
+                                       mamba_checkpoint=True, keep_lock=True))
+    monkeypatch.undo()
+    ctl.check_integrity()  # the fresh slot was freed; the commit stands
+    assert ctl.match("e1", MatchRequest("", longer)).device_tokens == 24
+    ctl.release("e1", m.lock_id, None)
+    ctl.release("e1", None, m.allocation_id)
+    ctl.check_integrity()
