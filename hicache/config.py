@@ -624,7 +624,7 @@ def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
     try:
         raw = yaml.load(text, Loader=_StrictLoader)  # (a SafeLoader subclass)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -650,7 +650,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     try:
         node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: value {value!r} is not valid YAML: {e}") from None
+        shown = "(value hidden)" if _secret(key.strip()) else repr(value)
+        raise ConfigError(f"--set {key}: value {shown} is not valid YAML: {_yaml_problem(e)}") from None
 
 
 def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
@@ -697,14 +698,13 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         if value is None:
             value = {}
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{shown}: expected a mapping, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected a mapping, got {_show(value, shown)}")
         hints = typing.get_type_hints(tp)
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = sorted(set(value) - set(fields), key=str)
         if unknown:
-            raise ConfigError(
-                f"{_join(path, str(unknown[0]))}: unknown key; allowed: {sorted(fields)}"
-            )
+            key = "(a key, hidden)" if _secret(path) else str(unknown[0])
+            raise ConfigError(f"{_join(path, key)}: unknown key; allowed: {sorted(fields)}")
         # An explicit `key: null` on a field that is not optional means "the default" (the
         # reference hicache.yaml uses it for keys that the environment may supply).
         kwargs = {
@@ -720,14 +720,14 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         return obj
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{shown}: expected a list, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected a list, got {_show(value, shown)}")
         (inner, _) = typing.get_args(tp)
         return tuple(_build(inner, v, f"{path}[{i}]") for i, v in enumerate(value))
     if origin in (Mapping, dict):
         if value is None:
             return {}
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{shown}: expected a mapping, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected a mapping, got {_show(value, shown)}")
         key_tp, val_tp = typing.get_args(tp)
         return {
             _build(key_tp, k, path): _build(val_tp, v, _join(path, str(k)))
@@ -736,19 +736,19 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         allowed = [m.value for m in tp]
         if value not in allowed:
-            raise ConfigError(f"{shown}: {_show(value)} is not one of {allowed}")
+            raise ConfigError(f"{shown}: {_show(value, shown)} is not one of {allowed}")
         return tp(value)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{shown}: expected true or false, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected true or false, got {_show(value, shown)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{shown}: expected an integer, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected an integer, got {_show(value, shown)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{shown}: expected a number, got {_show(value)}")
+            raise ConfigError(f"{shown}: expected a number, got {_show(value, shown)}")
         if not math.isfinite(value):  # every number here is a size, a time or a ratio
             raise ConfigError(f"{shown}: {value!r} is not a finite number")
         return float(value)
@@ -757,7 +757,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             hint = ""
             if shown.endswith("socket_mode") and isinstance(value, int):
                 hint = " (YAML reads an unquoted 0660 as a number: quote it, '0660')"
-            raise ConfigError(f"{shown}: expected a string, got {_show(value)}{hint}")
+            raise ConfigError(f"{shown}: expected a string, got {_show(value, shown)}{hint}")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 
@@ -775,8 +775,26 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, path: str = "") -> str:
+    if _secret(path):
+        return f"{type(value).__name__} (value hidden)"
     return f"{value!r} ({type(value).__name__})"
+
+
+def _secret(path: str) -> bool:
+    """Whether `path` lies in `server.tokens`, whose values are never printed: a
+    configuration error goes to stderr, which systemd sends to the journal."""
+    return path == "server.tokens" or path.startswith(("server.tokens[", "server.tokens."))
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What a YAML error says, with where, but not the snippet of the file PyYAML quotes:
+    that line may hold a token."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = "; ".join(str(x) for x in (e.context, e.problem) if x) or type(e).__name__
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what
+    return type(e).__name__
 
 
 def _positive(value: float, path: str) -> None:

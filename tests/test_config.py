@@ -226,6 +226,37 @@ def test_a_token_listed_twice_or_with_spaces_is_refused() -> None:
         build_config(spaced)
 
 
+SECRET = "s3cr3t-token-value-12345"
+
+
+@pytest.mark.parametrize("text", [
+    f"server:\n  tokens:\n    - {SECRET}\n",  # a list of strings, not of mappings
+    f"server:\n  tokens: {SECRET}\n",
+    f"server:\n  tokens:\n    - token: 123456789012345678901234\n      namespaces: [a]\n",
+    f"server:\n  tokens:\n    - {SECRET}: [a]\n",  # the token as a key
+    f'server:\n  tokens:\n    - token: "{SECRET}\n      namespaces: [a]\n',  # not YAML
+    f"server:\n  tokens:\n    - token: {SECRET}\n\tnamespaces: [a]\n",  # a tab: not YAML
+])
+def test_a_configuration_error_never_shows_a_token(text: str) -> None:
+    """Errors go to stderr (the journal, under systemd): a token's value, or a line of the
+    file that may hold one, is never part of the message; where it is, is."""
+    with pytest.raises(ConfigError) as info:
+        build(text)
+    message = str(info.value)
+    assert SECRET not in message and "123456789012345678901234" not in message, message
+    assert "server.tokens" in message or "line " in message, message
+
+
+def test_a_set_override_of_the_tokens_hides_its_value() -> None:
+    from hicache.config import apply_override
+
+    with pytest.raises(ConfigError) as info:
+        apply_override({}, f"server.tokens=[{{token: '{SECRET}]")
+    assert SECRET not in str(info.value) and "server.tokens" in str(info.value)
+    with pytest.raises(ConfigError, match=r"storage.backend: value '\[oops' is not valid YAML"):
+        apply_override({}, "storage.backend=[oops")  # other values are shown
+
+
 def test_a_key_given_twice_is_refused_not_silently_dropped() -> None:
     with pytest.raises(ConfigError, match="duplicate key 'storage'"):
         build("storage: {backend: file}\nstorage: {backend: none}\n")
