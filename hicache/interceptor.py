@@ -86,7 +86,21 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
-        return handler  # streaming requests: none in our services (reflection's is left as is)
+        # Streaming requests (none in our services; server reflection's): authenticated and
+        # measured the same way, their messages parsed by the handler's own deserializer.
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(label, auth, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(label, auth, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
     def _unary(
         self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Any]

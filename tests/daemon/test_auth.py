@@ -128,3 +128,24 @@ def test_sessions_are_scoped_to_the_token(secured: tuple[Daemon, int]) -> None:
         with pytest.raises(NotFound):
             op.close_session("conv-1")
         assert a.close_session("conv-1") >= 1
+
+
+def test_server_reflection_needs_a_token_like_the_cache_api(secured: tuple[Daemon, int]) -> None:
+    """Reflection (a streaming-request RPC) used to be left out of authentication: it
+    listed the services and handed out their descriptors without a token."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    d, _ = secured
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    def services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
+        with grpc.insecure_channel(d.target) as channel:
+            info = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo
+            replies = list(info(iter([ask]), metadata=metadata, timeout=10))
+        return [s.name for s in replies[0].list_services_response.service]
+
+    for metadata in ((), (("authorization", "Bearer not-a-token-at-all-xx"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            services(metadata)
+        assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert "hicache.v1.HiCache" in services((("authorization", f"Bearer {TENANT_A}"),))
