@@ -124,7 +124,9 @@ def _render_health(report: dict[str, Any]) -> str:
     for b in report["backends"]:
         state = "healthy" if b["healthy"] else "UNHEALTHY"
         lines.append(f"  {b['name']}: {state} {b['latency_ms']:.1f} ms {b['detail']}".rstrip())
-    if not report["backends"]:
+    if "note" in report:
+        lines.append(f"  ({report['note']})")
+    elif not report["backends"]:
         lines.append("  (no L3 backend configured)")
     return "\n".join(lines)
 

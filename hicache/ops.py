@@ -1,7 +1,9 @@
 """What `hicache health` and `hicache stats` report, as plain data plus an exit code.
 
 Exit codes (made for cron and Kubernetes exec probes): 0 all healthy, 1 the daemon answers
-but a backend is unhealthy (or the daemon is NOT_SERVING), 2 the daemon is unreachable.
+but a backend is unhealthy (or the daemon is NOT_SERVING, or its backend report does not
+come in time), 2 the daemon is unreachable. Without the token a daemon with tokens asks
+for, the standard health check alone decides (its per-backend report is not shown).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.client import Client
-from hicache.errors import HicacheError, Unavailable
+from hicache.errors import HicacheError, Unauthenticated, Unavailable
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
 PROBE_TIMEOUT_S = 5.0
@@ -25,17 +27,31 @@ def health_report(target: str, deep: bool, token: str | None = None,
     """`ca`: PEM root certificates of a TLS daemon (None: the system's, for TLS)."""
     # Every key always present (JSON consumers need not test for them).
     report: dict[str, Any] = {"target": target, "reachable": False, "serving": False, "backends": []}
-    try:
-        with _client(target, token, ca) as client:
-            serving = client.serving()
+    with _client(target, token, ca) as client:
+        try:
+            serving = client.serving()  # the standard check: no credentials needed
+        except Unavailable as e:
+            report["error"] = str(e)
+            return report, EXIT_UNREACHABLE
+        except HicacheError as e:
+            report.update(reachable=True, error=str(e))
+            return report, EXIT_UNHEALTHY
+        report.update(reachable=True, serving=serving)
+        try:
             backends = client.health(deep)
-    except Unavailable as e:
-        report["error"] = str(e)
-        return report, EXIT_UNREACHABLE
-    except HicacheError as e:  # e.g. refused credentials: it answers, but not healthy to us
-        report.update(reachable=True, error=str(e))
-        return report, EXIT_UNHEALTHY
-    report.update(reachable=True, serving=serving, backends=[asdict(b) for b in backends])
+        except Unauthenticated as e:
+            # The per-backend report needs a token; the standard check (NOT_SERVING while a
+            # required backend is down) stands for the daemon, as for a kubelet probe.
+            report["note"] = (f"backends not reported: {e}; give --token-file "
+                              f"(the status above needs no token)")
+            return report, EXIT_OK if serving else EXIT_UNHEALTHY
+        except Unavailable as e:  # it answered the check just now: a backend hangs
+            report["error"] = f"the daemon answered, its backend report did not: {e}"
+            return report, EXIT_UNHEALTHY
+        except HicacheError as e:
+            report["error"] = str(e)
+            return report, EXIT_UNHEALTHY
+    report["backends"] = [asdict(b) for b in backends]
     healthy = serving and all(b.healthy for b in backends)
     return report, EXIT_OK if healthy else EXIT_UNHEALTHY
 

@@ -149,3 +149,22 @@ def test_server_reflection_needs_a_token_like_the_cache_api(secured: tuple[Daemo
             services(metadata)
         assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
     assert "hicache.v1.HiCache" in services((("authorization", f"Bearer {TENANT_A}"),))
+
+
+def test_health_without_the_token_goes_by_the_standard_check(secured: tuple[Daemon, int],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A probe or cron job without the token file: the standard check (no credentials,
+    NOT_SERVING while a required backend is down) decides, and the output says why the
+    per-backend report is missing. It used to exit 1 (unhealthy) for a healthy daemon."""
+    from hicache.cli import main
+    from hicache.ops import EXIT_OK, health_report
+
+    d, _ = secured
+    for deep in (False, True):
+        report, rc = health_report(d.target, deep)
+        assert rc == EXIT_OK and report["serving"] is True, report
+        assert "give --token-file" in report["note"] and "error" not in report
+    assert main(["health", "--target", d.target]) == 0
+    assert "backends not reported" in capsys.readouterr().out
+    report, rc = health_report(d.target, True, token=TENANT_A)
+    assert rc == EXIT_OK and "note" not in report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -223,6 +224,29 @@ def test_health_cli_exits_1_while_a_backend_is_down(
     assert backend["name"] == "redis" and backend["healthy"] is False
     with d.client() as c:
         assert c.serving("hicache.v1.HiCache")  # L1/L2 keep serving
+
+
+@pytest.mark.timeout(120)
+def test_health_cli_exits_1_not_2_when_a_hung_backend_holds_up_the_report(
+    make_daemon: MakeDaemon,
+    redis_factory: Callable[[], RedisServer],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The daemon answers its health check, but the deep report waits on a backend that
+    hangs (SIGSTOP: no reply, no refusal) past the probe's deadline: that is a backend
+    problem (1), not an unreachable daemon (2, what it used to say)."""
+    redis = redis_factory()
+    d = make_daemon("storage.backend=redis", f"storage.redis.url={redis.url}",
+                    "storage.timeout_s=8")
+    assert redis.pid is not None
+    os.kill(redis.pid, signal.SIGSTOP)
+    try:
+        rc, out = cli(capsys, "health", "--target", d.target, "--deep", "--json")
+    finally:
+        os.kill(redis.pid, signal.SIGCONT)
+    report = json.loads(out)
+    assert rc == 1, out
+    assert report["reachable"] is True and "backend report did not" in report["error"]
 
 
 def test_a_release_that_cannot_reach_the_daemon_does_not_hide_the_body_error(
