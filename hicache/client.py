@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
 from hicache.client_errors import RETRYABLE, from_rpc_error, op_error
+from hicache.config import MAX_MESSAGE_BYTES
 from hicache.controller.base import (
     AllocationInfo,
     AttachInfo,
@@ -153,7 +154,10 @@ class Client:
         self.retries = retries
         self.on_detached = on_detached
         self.detached: HicacheError | None = None
-        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        # The daemon bounds both (`server.max_tokens_per_request` and the replies it needs);
+        # this side takes what gRPC can carry.
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(endpoint.target, creds, options=options)

@@ -42,6 +42,8 @@ MAX_FILE_THREADS = 64  # storage.file.threads
 GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
+MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
 _MEMBER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -498,6 +500,26 @@ class HicacheConfig:
                 f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "
                 f"(model.page_size = {self.model.page_size})"
             )
+        if self.max_reply_bytes > MAX_MESSAGE_BYTES:
+            raise ConfigError(
+                f"server.max_tokens_per_request: {self.server.max_tokens_per_request} tokens "
+                f"can need a reply of {self.max_reply_bytes} bytes ({len(self.model.members)} "
+                f"members, page_size {self.model.page_size}), over gRPC's {MAX_MESSAGE_BYTES}"
+            )
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest request a call may send: `max_tokens_per_request` token ids."""
+        return 4 * self.server.max_tokens_per_request + MESSAGE_SLACK_BYTES
+
+    @property
+    def max_reply_bytes(self) -> int:
+        """The largest reply one call can need: a MatchPrefix listing the matched and the
+        allocated pages of every member (4 bytes a page id), no more pages than a request's
+        tokens or an L1 pool hold. (A Batch's reply holds each op's.)"""
+        pages = min(-(-self.server.max_tokens_per_request // self.model.page_size),
+                    max(self.l1_pages, self.tiers.l1.mamba_slots))
+        return 2 * len(self.model.members) * 4 * pages + MESSAGE_SLACK_BYTES
 
     # Derived sizes -----------------------------------------------------------------
 

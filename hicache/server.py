@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.auth import Authenticator
-from hicache.config import HicacheConfig
+from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig
 from hicache.controller.base import CacheService
 from hicache.endpoint import Endpoint, SocketLock, parse_address
 from hicache.errors import FailedPrecondition
@@ -46,7 +46,6 @@ WORKERS = 32
 STOP_GRACE_S = 5.0
 SIGNAL_POLL_S = 0.2  # how often the main thread wakes to run a signal's handler
 HEALTH_REFRESH_S = 1.0
-MESSAGE_SLACK_BYTES = 1 << 20
 
 CoreFactory = Callable[[HicacheConfig, str], CacheService]
 
@@ -72,10 +71,11 @@ class Daemon:
         self.health = health.HealthServicer()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        limit = 4 * cfg.server.max_tokens_per_request + MESSAGE_SLACK_BYTES
         options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", cfg.max_request_bytes),
+            # A reply lists page ids of every member: at page size 1 it outgrows the request.
+            ("grpc.max_send_message_length",
+             min(MAX_MESSAGE_BYTES, max(cfg.max_request_bytes, cfg.max_reply_bytes))),
             ("grpc.so_reuseport", 0),  # a second daemon must not share the port
         ]
         self.server = grpc.server(

@@ -336,3 +336,17 @@ def test_a_yaml_value_key_is_read_like_plain_yaml() -> None:
 def test_a_duplicated_value_key_is_refused(text: str) -> None:
     with pytest.raises(ConfigError, match="duplicate key"):
         parse_yaml(text)
+
+
+def test_a_reply_that_could_not_fit_in_a_grpc_message_is_a_configuration_error() -> None:
+    """At page size 1 a reply lists 8 bytes a token for every member: limits under which
+    a valid request would need a reply over gRPC's 2 GiB are refused at start, naming the
+    key. An L1 too small to hand out that many pages bounds the reply instead."""
+    raw = {"model": {"page_size": 1, "components": {"full": {"layers": 1, "bytes_per_token_per_layer": 1}}},
+           "tiers": {"l1": {"tokens": 1 << 28}, "l2": {"size_gb": 1}},
+           "server": {"max_tokens_per_request": 1 << 28}}
+    with pytest.raises(ConfigError, match=r"server\.max_tokens_per_request: 268435456 tokens can need a reply"):
+        build_config(raw)
+    raw["tiers"]["l1"]["tokens"] = 1 << 20  # now L1 bounds the pages a reply can list
+    cfg = build_config(raw)
+    assert cfg.max_reply_bytes == 2 * 4 * (1 << 20) + (1 << 20)

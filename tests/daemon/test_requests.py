@@ -270,3 +270,32 @@ def test_matched_releases_both_handles_and_never_hides_the_body_error(daemon: Da
             c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
         hb = c.heartbeat()
         assert (hb.locks, hb.allocations) == (0, 0)
+
+
+def test_a_reply_listing_every_members_pages_at_page_size_1_is_sent(tmp_path) -> None:
+    """At page size 1 a reply carries 4 bytes a token for every member (twice for a match
+    that also allocates): more than the request's 4 bytes a token. The send limit used to
+    be the request's, so such calls failed with RESOURCE_EXHAUSTED within the limits."""
+    tokens_n = 200_000
+    d = Daemon(tmp_path, "model.page_size=1", "prefetch.threshold_tokens=1",
+               "model.components.full.layers=1", "model.components.full.bytes_per_token_per_layer=1",
+               "model.sidecars={a: {anchor: full, layers: 1, bytes_per_token_per_layer: 1}, "
+               "b: {anchor: full, layers: 1, bytes_per_token_per_layer: 1}}",
+               "tiers.l1.tokens=524288", f"server.max_tokens_per_request={tokens_n}").start()
+    try:
+        with d.client(engine_id="page-1", retries=0) as c:
+            c.attach(map_pools=False)
+            a = c.allocate(tokens_n)
+            assert {len(ids) for ids in a.pages.values()} == {tokens_n}
+            c.release(allocation_id=a.allocation_id)
+            prompt, half = tokens(tokens_n, start=1), tokens_n // 2
+            m = c.match(prompt[: 4 * half], lock=True, allocate_tokens=half)
+            c.insert(prompt[: 4 * half], lock_id=m.lock_id, allocation_id=m.allocation_id)
+            again = c.match(prompt, lock=True, allocate_tokens=tokens_n)  # half hit, half new
+            assert again.device_tokens == half
+            assert {len(ids) for ids in again.device_pages.values()} == {half}
+            assert {len(ids) for ids in again.pages.values()} == {half}
+            c.release(lock_id=again.lock_id)
+            c.release(allocation_id=again.allocation_id)
+    finally:
+        d.close()
