@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -33,7 +34,14 @@ import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
-from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, VERIFIED, PutStatus, StorageBackend
+from hicache.tiers.storage.base import (
+    HEADER_BYTES,
+    MISSING,
+    NOT_AN_OBJECT,
+    VERIFIED,
+    PutStatus,
+    StorageBackend,
+)
 from hicache.tiers.storage.fanout import (
     SHARED_FS_THREADS,
     WRITE_THREADS,
@@ -103,6 +111,9 @@ class FileBackend(StorageBackend):
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
         self._used = 0
         self._reserved = 0  # bytes of writes under way (`_reserve`)
+        # Evicted from the index, file not unlinked yet: a read of one meanwhile must not
+        # record it again (its entry would outlive the file, counting bytes on no disk).
+        self._evicting: set[str] = set()
         self._lock = threading.Lock()
         self._host = _host_tag()
 
@@ -178,11 +189,16 @@ class FileBackend(StorageBackend):
     def _path(self, h: str) -> str:
         return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
-    def _touch(self, h: str, size: int, reserved: int = 0) -> list[str]:
-        """Record a use of object `h` (a write's: the `reserved` bytes it made room for
-        become its own); returns digests to evict to stay within capacity."""
+    def _touch(self, h: str, size: int, reserved: int = 0, *, wrote: bool = False) -> list[str]:
+        """Record a use of object `h` (`wrote`: a write's; the `reserved` bytes it made room
+        for become its own); returns digests to evict to stay within capacity. A read of an
+        object whose eviction is under way records nothing."""
         with self._lock:
             self._reserved -= reserved
+            if wrote:
+                self._evicting.discard(h)  # (a write finds no file: that unlink is done)
+            elif h in self._evicting:
+                return []
             old = self._lru.pop(h, None)
             self._used += size - (old or 0)
             self._lru[h] = size
@@ -209,16 +225,28 @@ class FileBackend(StorageBackend):
             h, size = self._lru.popitem(last=False)
             self._used -= size
             victims.append(h)
+            self._evicting.add(h)
         return victims
 
+    def _forget(self, h: str) -> None:
+        """A read found `h`'s file gone (another node removed it): its entry goes too."""
+        with self._lock:
+            self._used -= self._lru.pop(h, 0)
+
     def _unlink(self, digests: Sequence[str]) -> None:
-        for h in digests:
-            try:
-                os.unlink(self._path(h))
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise _unavailable(self.root, e) from None
+        if not digests:
+            return
+        try:
+            for h in digests:
+                try:
+                    os.unlink(self._path(h))
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    raise _unavailable(self.root, e) from None
+        finally:
+            with self._lock:
+                self._evicting.difference_update(digests)
 
     # ------------------------------------------------------------------ backend hooks
 
@@ -288,10 +316,12 @@ class FileBackend(StorageBackend):
                 # Never follows a link, never blocks on a FIFO someone left there.
                 fd = os.open(path, _READ_FLAGS)
             except FileNotFoundError:
+                self._forget(h)
                 out.append(MISSING)
                 continue
             except OSError as e:
                 if e.errno == errno.ESTALE:  # removed by another node (NFS): gone, like above
+                    self._forget(h)
                     out.append(MISSING)
                     continue
                 if e.errno not in _NOT_AN_OBJECT_ERRNOS:
@@ -300,8 +330,11 @@ class FileBackend(StorageBackend):
                 continue
             try:
                 size = _read_object(fd, buf.data, extra)
+                if 0 <= size < HEADER_BYTES and not stat.S_ISREG(os.fstat(fd).st_mode):
+                    size = NOT_AN_OBJECT  # a FIFO reads as empty: not a torn object of ours
             except OSError as e:
                 if e.errno == errno.ESTALE:  # removed by another node while open (NFS)
+                    self._forget(h)
                     size = MISSING
                 elif e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
@@ -346,7 +379,7 @@ class FileBackend(StorageBackend):
                 if isinstance(e, OSError):
                     raise _unavailable(path, e) from None
                 raise
-            self._unlink(self._touch(h, buf.nbytes, reserved))
+            self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True))
             out.append(PutStatus.STORED)
         return out
 

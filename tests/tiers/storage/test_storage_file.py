@@ -70,6 +70,40 @@ def test_removing_an_object_whose_file_is_gone_drops_it_from_the_capacity_index(
     assert backend.used_bytes == 0
 
 
+def _files(path: Path) -> int:
+    return sum(name.endswith(".kv") for _, _, names in os.walk(path) for name in names)
+
+
+def test_a_read_that_finds_the_file_gone_drops_it_from_the_capacity_index(tmp_path: Path) -> None:
+    """Another node removed an object this node had indexed (its own eviction, a corrupt
+    object's removal). The miss used to leave the entry: its bytes stayed counted, and
+    this node evicted a good object it had room for (found by a review)."""
+    a, b = _backend(tmp_path, capacity_objects=3), _backend(tmp_path, capacity_objects=3)
+    k = keys(4)
+    a.put_from(k[:3], Pool(3).slots())
+    assert b.delete([k[2]]) == 1
+    assert a.get_into([k[2]], Pool(1, seed=None).slots()) == [GetStatus.MISS]
+    assert a.used_bytes == 2 * OBJECT
+    a.put_from([k[3]], Pool(1, seed=5).slots())
+    assert [a.exists_prefix([key]) for key in k] == [1, 1, 0, 1]  # k0 kept: there was room
+    assert a.used_bytes == 3 * OBJECT == _files(tmp_path) * OBJECT
+
+
+def test_a_read_during_an_eviction_does_not_record_the_evicted_object_again(tmp_path: Path) -> None:
+    """A writer takes its victim out of the index under the lock and unlinks it after; a
+    reader between the two used to record the victim again, so the index kept an object
+    whose file the writer then removed. The writer's steps are run by hand, in order."""
+    backend = _backend(tmp_path, capacity_objects=2)
+    k = keys(2)
+    backend.put_from(k, Pool(2).slots())
+    victims = backend._reserve(OBJECT)  # the writer makes room: k0 leaves the index
+    assert backend.get_into([k[0]], Pool(1, seed=None).slots()) == [GetStatus.HIT]  # the reader
+    backend._unlink(victims)
+    backend._unreserve(OBJECT)
+    assert backend.used_bytes == OBJECT == _files(tmp_path) * OBJECT
+    assert backend.exists_prefix([k[0]]) == 0 and not backend._evicting
+
+
 def test_index_is_rebuilt_from_mtimes_at_start(tmp_path: Path) -> None:
     first = _backend(tmp_path)
     k = keys(3)
@@ -262,6 +296,9 @@ def test_something_else_at_an_object_path_is_that_key_corrupt_not_a_dead_store(
     assert not dst.pages[1].any()
     assert (dst.pages[2] == src.pages[2]).all()
     assert backend.stats().corrupt == 1
+    # Not ours: left in place (a FIFO reads as empty, which used to pass for an object a
+    # crash left empty, and was removed).
+    assert os.path.lexists(path) and backend.stats().corrupt_removed == 0
     assert backend.health().healthy
     backend.close()
 
@@ -293,6 +330,7 @@ def test_a_vanished_object_on_a_shared_mount_is_a_miss_not_a_dead_store(
     monkeypatch.setattr(os, "readv", readv)
     assert backend.get_into(ks, dst.slots()) == [GetStatus.MISS, GetStatus.MISS, GetStatus.HIT]
     assert (dst.pages[2] == src.pages[2]).all()
+    assert backend.used_bytes == OBJECT  # the two gone objects left the capacity index
 
 
 def test_an_empty_object_left_by_a_crash_is_removed_so_a_good_copy_can_be_stored(
