@@ -227,8 +227,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         if left is not None and left < REPLY_MARGIN_S:
             # A reply this late may reach the caller after its deadline: the caller then
             # sees DEADLINE_EXCEEDED while the handles stay made (the RPC ended well on
-            # this side, nothing here can tell). Release them and say so instead.
-            self._drop_handles(engine, *made())
+            # this side, nothing here can tell). Release them and say so instead. A call
+            # that made none (a Batch of Inserts and Releases) replies as it is: failing
+            # it would say its applied ops were not.
+            locks, allocations = made()
+            if not any(locks) and not any(allocations):
+                return
+            self._drop_handles(engine, locks, allocations)
             raise DeadlineExceeded(
                 f"{left * 1e3:.1f} ms of the caller's deadline left to reply (under "
                 f"{REPLY_MARGIN_S * 1e3:g} ms): the locks and allocations made were released"

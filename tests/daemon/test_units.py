@@ -389,3 +389,52 @@ def test_handles_of_calls_whose_deadline_passes_while_replying_are_released(
             break
         assert time.monotonic() < deadline, (hb.locks, hb.allocations)
         time.sleep(0.05)
+
+
+class _LateContext:
+    """A servicer context whose caller has 3 ms left when the handler ends."""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return [("x-hicache-engine", "e")]
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> float:
+        return 0.003
+
+    def add_callback(self, _callback: object) -> bool:
+        return True
+
+
+def test_a_late_batch_fails_only_when_it_made_handles_to_release() -> None:
+    """Under the reply margin, a Batch that made locks or allocations releases them and
+    says so (DEADLINE_EXCEEDED). One that made none (Inserts, Releases) used to fail the
+    same way although every op was applied: a retry then found its handles gone."""
+    from hicache.controller.base import MatchOutcome
+    from hicache.service import HiCacheServicer
+
+    released: list[tuple[int | None, int | None]] = []
+
+    class Core:
+        def hold_background(self):  # type: ignore[no-untyped-def]
+            return lambda: None
+
+        def release(self, _engine: str, lock_id: int | None, allocation_id: int | None) -> None:
+            released.append((lock_id, allocation_id))
+
+        def match(self, _engine: str, _req: object) -> MatchOutcome:
+            return MatchOutcome(device_tokens=0, host_tokens=0, storage_tokens=0,
+                                device_pages={}, lock_id=5, allocation_id=6)
+
+    servicer = HiCacheServicer(Core(), 1 << 20)  # type: ignore[arg-type]
+    releases = pb.BatchRequest(ops=[pb.BatchOp(release=pb.ReleaseRequest(lock_id=7)),
+                                    pb.BatchOp(release=pb.ReleaseRequest(allocation_id=9))])
+    response = servicer.Batch(releases, _LateContext())
+    assert [r.status.code for r in response.results] == [0, 0]
+    assert released == [(7, None), (None, 9)]
+    released.clear()
+    matches = pb.BatchRequest(ops=[pb.BatchOp(match_prefix=pb.MatchPrefixRequest(tokens=b"\0" * 4))])
+    with pytest.raises(errors.DeadlineExceeded, match="were released"):
+        servicer.Batch(matches, _LateContext())
+    assert released == [(5, None), (None, 6)]
