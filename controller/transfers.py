@@ -325,14 +325,19 @@ class Transfers:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
         are held, so the eviction's free parks them until the write finished: nothing on
         the serving path waits on L3."""
-        if self.tree.is_resident(victim.node, FULL, Tier.STORAGE):
+        # What L3 holds already stays out: a checkpoint or window leaving L2 is written
+        # even where the node's FULL pages are in L3 (it used to be dropped then).
+        pages = {kind: ids for kind, ids in victim.pages.items()
+                 if not self.tree.is_resident(victim.node, kind, Tier.STORAGE)}
+        if not pages:
             return
         namespace = self.tree.namespace_of(victim.node)
         hashes = victim.hashes()
-        pages = dict(victim.pages)
+        # `backups_l3` counts FULL pages (as write-through does): a slot alone adds none.
+        full_pages = len(hashes) // PAGE_HASH_BYTES if FULL in pages else 0
         l3 = self.ctl.l3
         if l3 is None or not l3.takes_writes:
-            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            self.stats["backups_dropped"] += full_pages
             return
         writing = self._hold_for_l3(namespace, hashes, pages)
 
@@ -343,10 +348,21 @@ class Transfers:
 
         def run() -> None:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
-            release(len(hashes) // PAGE_HASH_BYTES)
+            with self.ctl._mu:
+                self.stats["backups_l3"] += full_pages
+                self._release_for_l3(pages, writing)
+                # A node still in the tree (in L1, or with other slots) records its L3 copy,
+                # so its next eviction from L2 does not write (and count) it again. FULL
+                # and a checkpoint are whole slots; an SWA slot written may be a tail, so
+                # it is not recorded (a later write of it finds the objects present).
+                node = victim.node
+                if self.tree.is_live(node):
+                    for kind in (FULL, MAMBA):
+                        if kind in pages and not self.tree.is_resident(node, kind, Tier.STORAGE):
+                            self.tree.set_resident(node, kind, Tier.STORAGE)
 
         if not self.backup_worker.submit(Job("write-back", run, lambda _e: release())):
-            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            self.stats["backups_dropped"] += full_pages
             self._release_for_l3(pages, writing)  # not parked yet: the eviction frees them now
 
     def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:

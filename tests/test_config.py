@@ -232,7 +232,7 @@ SECRET = "s3cr3t-token-value-12345"
 @pytest.mark.parametrize("text", [
     f"server:\n  tokens:\n    - {SECRET}\n",  # a list of strings, not of mappings
     f"server:\n  tokens: {SECRET}\n",
-    f"server:\n  tokens:\n    - token: 123456789012345678901234\n      namespaces: [a]\n",
+    "server:\n  tokens:\n    - token: 123456789012345678901234\n      namespaces: [a]\n",
     f"server:\n  tokens:\n    - {SECRET}: [a]\n",  # the token as a key
     f'server:\n  tokens:\n    - token: "{SECRET}\n      namespaces: [a]\n',  # not YAML
     f"server:\n  tokens:\n    - token: {SECRET}\n\tnamespaces: [a]\n",  # a tab: not YAML

@@ -20,7 +20,7 @@ from hicache.convert import canonical_counters
 from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
-FULL = ComponentKind.FULL
+FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
@@ -603,6 +603,33 @@ def test_l2_to_l3_write_back_writes_on_eviction_and_frees_after(make) -> None:
     ctl.check_integrity()  # the job freed the host pages it held
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
     assert ctl.stats().counters["backups_l3"] == 4
+
+
+def test_l2_to_l3_write_back_writes_a_node_once_and_a_checkpoint_even_when_full_is_there(make) -> None:
+    """A node evicted from L2 (still in L1) is written to L3 and recorded there: its next
+    eviction from L2 neither writes nor counts it again (it did, every time). A checkpoint
+    leaving L2 is written even where its node's FULL pages are in L3 (it was dropped
+    unwritten), and adds no pages to `backups_l3` (it added the node's)."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_back")
+    eng = Engine(ctl)
+    prompt = seq(4)
+    eng.request(prompt, checkpoint=False)
+    assert ctl.transfers.drain(10)
+    evict_all(ctl, Tier.HOST)  # L1 keeps it
+    assert ctl.transfers.drain(10)
+    (node,) = [n for n in ctl.tree.iter_nodes() if ctl.tree.depth_tokens(n) == 16]
+    assert ctl.tree.is_resident(node, FULL, Tier.STORAGE)
+    assert ctl.stats().counters["backups_l3"] == 4
+    eng.request(prompt, checkpoint=True)  # the same prompt, now with its checkpoint
+    assert ctl.transfers.drain(10)
+    (node,) = [n for n in ctl.tree.iter_nodes()
+               if ctl.tree.depth_tokens(n) == 16 and ctl.tree.is_resident(n, MAMBA, Tier.HOST)]
+    evict_all(ctl, Tier.HOST)
+    assert ctl.transfers.drain(10)
+    assert ctl.l3 is not None and ctl.l3.has("", eng.hashes(prompt)[-1], ctl.cfg.model.family(MAMBA))
+    assert ctl.tree.is_resident(node, MAMBA, Tier.STORAGE)
+    assert ctl.stats().counters["backups_l3"] == 4  # no FULL page was written twice
+    ctl.check_integrity()
 
 
 def test_l2_to_l3_selective_waits_for_hits(make) -> None:
