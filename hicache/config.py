@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from hicache.endpoint import split_host_port
-from hicache.errors import ConfigError
+from hicache.endpoint import parse_address, split_host_port
+from hicache.errors import ConfigError, InvalidArgument
 from hicache.types import (
     ComponentKind,
     EvictionPolicy,
@@ -413,10 +413,10 @@ class ServerConfig:
 
     def _validate(self, path: str) -> None:
         if self.listen.startswith("unix://"):
-            if not self.listen.startswith("unix:///"):
-                raise ConfigError(
-                    f"{path}.listen: {self.listen!r}: a unix socket address is unix:///absolute/path"
-                )
+            try:
+                parse_address(self.listen)  # (the rule the daemon and the CLI parse by)
+            except InvalidArgument as e:
+                raise ConfigError(f"{path}.listen: {e}") from None
         else:
             _host_port(self.listen, f"{path}.listen", "is neither unix:///path nor host:port")
         if self.probe_listen is not None:

@@ -73,14 +73,30 @@ def split_host_port(address: str) -> tuple[str, int] | None:
 
 def parse_address(address: str) -> Endpoint:
     if address.startswith(UNIX_PREFIX):
-        path = address[len(UNIX_PREFIX) :]
-        if not path.startswith("/"):
-            raise InvalidArgument(f"{address!r}: a unix socket address is unix:///absolute/path")
-        return Endpoint(address=address, path=Path(path))
+        return Endpoint(address=address, path=_socket_path(address))
     host_port = split_host_port(address)
     if host_port is None:
         raise InvalidArgument(f"{address!r} is neither unix:///path nor host:port")
     return Endpoint(address=address, path=None, host=host_port[0], port=host_port[1])
+
+
+# sockaddr_un.sun_path holds 108 bytes on Linux, the last one a NUL.
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def _socket_path(address: str) -> Path:
+    path = address[len(UNIX_PREFIX) :]
+    if not path.startswith("/"):
+        raise InvalidArgument(f"{address!r}: a unix socket address is unix:///absolute/path")
+    if path.endswith("/"):
+        raise InvalidArgument(f"{address!r}: names a directory, not a socket file")
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise InvalidArgument(
+            f"{address!r}: the socket path is {size} bytes, over the {MAX_SOCKET_PATH_BYTES} "
+            "a unix socket address holds: use a shorter path"
+        )
+    return Path(path)
 
 
 class SocketLock:

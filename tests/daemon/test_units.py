@@ -247,6 +247,16 @@ def test_addresses() -> None:
     assert name.startswith("h_1_sock_") and name.replace("_", "").isalnum()
     with pytest.raises(errors.InvalidArgument, match="unix:///absolute/path"):
         parse_address("unix://relative.sock")
+    # A directory, or a path sun_path cannot hold: refused by name, not a traceback (a
+    # `serve --listen unix:///` crashed) or gRPC's own "in use?" (a path too long).
+    for bad in ("unix:///", "unix:///run/hicache/"):
+        with pytest.raises(errors.InvalidArgument, match="names a directory"):
+            parse_address(bad)
+    assert parse_address("unix:///" + "x" * 106).is_unix  # 107 bytes: the most it holds
+    with pytest.raises(errors.InvalidArgument, match="108 bytes, over the 107"):
+        parse_address("unix:///" + "x" * 107)
+    with pytest.raises(errors.ConfigError, match="server.listen: 'unix:///': names a directory"):
+        load_config(None, ["server.listen=unix:///"], env={})
     # One host:port rule for the daemon, the config loader and the CLI's --target.
     for bad in ("http://127.0.0.1:5", "host/x:80", "a b:1", ":5", "h:0"):
         with pytest.raises(errors.InvalidArgument, match="neither unix"):
