@@ -5,7 +5,8 @@ thread-safe (gRPC calls arrive on many threads) and raises the typed errors of
 `hicache.errors` for bad input; it never returns None or False to signal failure.
 
 Ids (`lock_id`, `allocation_id`, `prefetch_id`) are positive integers, unique for the
-daemon's life; 0 means "none" in results. Every lock and allocation belongs to the engine
+daemon's life; 0 means "none" in results, and a request's 0 is NOT_FOUND (None is
+"absent"). Every lock and allocation belongs to the engine
 that made it (its `engine_id`, sent after `attach`); when the engine's lease lapses the
 controller releases them and counts it.
 """
@@ -29,6 +30,10 @@ PagesByMember = Mapping[str, np.ndarray]
 """L1 page ids per family member (a sidecar lists its anchor's ids)."""
 
 NO_PAGES: PagesByMember = MappingProxyType({})
+
+MAX_ENGINE_ID = 256  # characters of an engine id as sent (a metadata header on every call)
+# As the daemon knows it: with bearer tokens, "<token label>/<id as sent>" (hicache.service).
+MAX_SCOPED_ENGINE_ID = MAX_ENGINE_ID + 32
 
 
 class PrefetchState(enum.Enum):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicache.controller.base import MAX_ENGINE_ID, MAX_SCOPED_ENGINE_ID
 from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.tree import TreeLock
 from hicache.types import ComponentKind
@@ -60,9 +61,6 @@ class Engine:
     inherited: dict[int, str] = field(default_factory=dict)
 
 
-MAX_ENGINE_ID = 256
-
-
 class EngineRegistry:
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
@@ -82,7 +80,7 @@ class EngineRegistry:
         registry, its handles the caller's to release (as for a lapsed lease)."""
         if not engine_id:
             raise InvalidArgument("engine_id: must be a non-empty string")
-        if len(engine_id) > MAX_ENGINE_ID:  # (it travels in a metadata header on every call)
+        if len(engine_id) > MAX_SCOPED_ENGINE_ID:  # (the servicer holds ids sent to MAX_ENGINE_ID)
             raise InvalidArgument(f"engine_id: {len(engine_id)} characters, at most {MAX_ENGINE_ID}")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} is outside tp_size {tp_size}")

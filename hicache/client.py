@@ -92,7 +92,7 @@ def _new_instance_id() -> None:
 
 os.register_at_fork(after_in_child=_new_instance_id)
 
-Tokens = bytes | np.ndarray | Iterable[int]
+Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 
 # Batch ops that are safe to send again (the daemon answers a repeat the same way, or

@@ -76,10 +76,13 @@ def check_tokens(tokens: bytes, limit: int) -> bytes:
     return tokens
 
 
-def tokens_to_bytes(tokens: bytes | np.ndarray | Iterable[int]) -> bytes:
-    """Client side: any sequence of token ids as little-endian uint32 bytes."""
+def tokens_to_bytes(tokens: bytes | bytearray | memoryview | np.ndarray | Iterable[int]) -> bytes:
+    """Client side: any sequence of token ids as little-endian uint32 bytes. Bytes-like
+    objects are taken as that form already (iterating one would read a token per byte)."""
     if isinstance(tokens, bytes):
         return tokens
+    if isinstance(tokens, bytearray | memoryview):
+        return bytes(tokens)
     arr = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidArgument("tokens: ids must fit in uint32")

@@ -22,8 +22,8 @@ import grpc
 
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
-from hicache.controller.base import CacheService, InsertRequest, MatchRequest
-from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument
+from hicache.controller.base import MAX_ENGINE_ID, CacheService, InsertRequest, MatchRequest
+from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument, PermissionDenied
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
@@ -136,12 +136,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ ops
 
     def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
+        if len(r.engine_id) > MAX_ENGINE_ID:  # counted as sent, before `scoped_engine`
+            raise InvalidArgument(f"engine_id: {len(r.engine_id)} characters, at most {MAX_ENGINE_ID}")
         return convert.attach_to_pb(
             self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size, r.instance_id),
             r.tp_rank,
         )
 
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        if not r.engine_id:  # (the core's message would point at the metadata header)
+            raise InvalidArgument("engine_id: must be a non-empty string (Heartbeat names "
+                                  "its engine in the request)")
         return convert.heartbeat_to_pb(
             self._core.heartbeat(scoped_engine(r.engine_id), r.tp_rank, r.instance_id)
         )
@@ -322,5 +327,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         return convert.health_to_pb(self._core.health(request.deep))
 
     def Flush(self, request: Any, context: grpc.ServicerContext) -> Any:
+        # Every tenant's data goes down, at the store's full bandwidth: an operator's call.
+        if not current_principal().unrestricted:
+            raise PermissionDenied("Flush needs a token that allows every namespace ('*')")
         timeout_s = request.timeout_ms / 1e3 if request.timeout_ms else self._default_flush_s
         return apb.FlushResponse(pages_written=self._core.flush(timeout_s))

@@ -168,3 +168,36 @@ def test_health_without_the_token_goes_by_the_standard_check(secured: tuple[Daem
     assert "backends not reported" in capsys.readouterr().out
     report, rc = health_report(d.target, True, token=TENANT_A)
     assert rc == EXIT_OK and "note" not in report
+
+
+def test_flush_needs_a_token_for_every_namespace(secured: tuple[Daemon, int]) -> None:
+    """Flush writes every tenant's pages down at the store's full bandwidth: an operator's
+    call, refused to a token limited to some namespaces (any token could run it)."""
+    d, _ = secured
+    with d.client(token=TENANT_A, retries=0) as tenant:
+        with pytest.raises(PermissionDenied, match=r"Flush needs a token that allows every namespace"):
+            tenant.flush()
+        assert tenant.health() == ()  # reading the backends' state is anyone's
+    with d.client(token=ADMIN, retries=0) as operator:
+        assert operator.flush() == 0  # (no L3 here)
+
+
+def test_an_engine_id_is_counted_as_sent_not_with_the_tokens_scope(secured: tuple[Daemon, int]) -> None:
+    """With tokens the daemon knows an engine as "<token label>/<id>"; the length limit
+    (256) is the id's as sent: a 250-character id was refused as "259 characters"."""
+    d, _ = secured
+    with d.client(token=TENANT_A, engine_id="e" * 256, retries=0) as c:
+        assert c.attach(map_pools=False).info.page_size == PAGE
+        assert c.heartbeat().locks == 0
+    with d.client(token=TENANT_A, engine_id="e" * 257, retries=0) as c, \
+            pytest.raises(HicacheError, match="engine_id: 257 characters, at most 256"):
+        c.attach(map_pools=False)
+
+
+def test_a_heartbeat_without_an_engine_id_names_the_request_field(secured: tuple[Daemon, int]) -> None:
+    d, _ = secured
+    with grpc.insecure_channel(d.target) as channel, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.HiCacheStub(channel).Heartbeat(
+            pb.HeartbeatRequest(engine_id=""), metadata=(("authorization", f"Bearer {ADMIN}"),))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "Heartbeat names its engine in the request" in (info.value.details() or "")

@@ -40,6 +40,10 @@ def test_token_bytes_are_checked_without_copying() -> None:
         convert.check_tokens(tokens(11), 10)
     assert convert.tokens_to_bytes([1, 2]) == b"\x01\x00\x00\x00\x02\x00\x00\x00"
     assert convert.tokens_to_bytes(np.array([7], dtype=np.int64)) == b"\x07\x00\x00\x00"
+    # Bytes-like: the wire form already (they were read a token per byte: the wrong prompt).
+    wire = b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    assert convert.tokens_to_bytes(bytearray(wire)) == wire
+    assert convert.tokens_to_bytes(memoryview(np.array([1, 2], dtype="<u4"))) == wire
     with pytest.raises(errors.InvalidArgument, match="uint32"):
         convert.tokens_to_bytes([-1])
 
@@ -255,7 +259,7 @@ def test_addresses() -> None:
     assert parse_address("unix:///" + "x" * 106).is_unix  # 107 bytes: the most it holds
     with pytest.raises(errors.InvalidArgument, match="108 bytes, over the 107"):
         parse_address("unix:///" + "x" * 107)
-    with pytest.raises(errors.ConfigError, match="server.listen: 'unix:///': names a directory"):
+    with pytest.raises(errors.ConfigError, match=r"server\.listen: 'unix:///': names a directory"):
         load_config(None, ["server.listen=unix:///"], env={})
     # One host:port rule for the daemon, the config loader and the CLI's --target.
     for bad in ("http://127.0.0.1:5", "host/x:80", "a b:1", ":5", "h:0"):
