@@ -70,6 +70,9 @@ class PrefetchOp:
     # (L1 holds a prefix), so they are freed instead (mutex).
     l1_broken: bool = False
     owner: str = ""  # the engine whose match started it (the one that may ask about it)
+    # Its worker is done with it (`_finish_locked`): a cancel or a timeout ends `state`
+    # first, while the worker still holds its pages (mutex).
+    finished: bool = False
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -495,13 +498,14 @@ class Prefetcher:
 
     def _forget_finished(self) -> None:
         """Caller holds the mutex. Keep at most `keep_finished` ops, dropping finished ones
-        oldest first: a running op stays (its status is asked for, its pages audited)."""
+        oldest first: one whose worker has not finished stays (its status is asked for, its
+        pages audited), cancelled or timed out or not."""
         excess = len(self._ops) - self._keep
         if excess <= 0:
             return
         drop = []
         for op_id, op in self._ops.items():  # running ops (few: the budget bounds them) are skipped
-            if op.state is not PrefetchState.RUNNING:
+            if op.finished:  # (not `state`: a cancelled op's worker may still hold pages)
                 drop.append(op_id)
                 if len(drop) == excess:
                     break
@@ -522,6 +526,7 @@ class Prefetcher:
             op.host[kind] = ids[:0]
         self._reserved_pages -= len(op.hashes)
         self.running -= 1
+        op.finished = True
         if op.pin is not None and op.pin.active:
             self.tree.unlock(op.pin)
         op.pin = None

@@ -745,6 +745,42 @@ def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(
         ctl.release("e1", m.lock_id, None)
 
 
+def test_a_cancelled_prefetch_whose_worker_still_runs_is_not_forgotten(make) -> None:
+    """Cancelling ends a prefetch's state at once, while its worker still holds the L2
+    pages it reserved. Such an op was forgotten like a finished one: its status became
+    NotFound and the page audit saw its pages as leaked until the worker returned."""
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(2)]
+    for tokens in prompts:
+        eng.request(tokens)
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    ctl.prefetcher._keep = 1
+    gate, reading = threading.Event(), threading.Event()
+    backend = ctl.l3.backend
+    real = backend._read_into
+
+    def held(keys, buffers):
+        reading.set()
+        assert gate.wait(10)
+        return real(keys, buffers)
+
+    backend._read_into = held  # type: ignore[method-assign]
+    try:
+        a = ctl.match("e1", MatchRequest("", prompts[0], lock=True, prefetch=True))
+        assert reading.wait(10)
+        ctl.cancel_prefetch(a.prefetch_id, "e1")
+        b = ctl.match("e1", MatchRequest("", prompts[1], lock=True, prefetch=True))  # over the limit
+        assert ctl.prefetch_status(a.prefetch_id).state is PrefetchState.CANCELLED
+        ctl.check_integrity()  # a's reserved pages are still a's
+    finally:
+        gate.set()
+    assert ctl.prefetcher.worker.drain(10)
+    for m in (a, b):
+        ctl.release("e1", m.lock_id, None)
+    ctl.check_integrity()
+
+
 def test_a_reused_checkpoint_is_copied_by_the_copy_engine_before_the_match_returns(make) -> None:
     """MAMBA copy-on-write goes through the copy engine (on CUDA: its own stream, complete
     on return); the engine's new slot holds the checkpoint's bytes when it gets it."""
