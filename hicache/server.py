@@ -193,6 +193,15 @@ class Daemon:
         self.core.close()
 
 
+def longest_stop_s(cfg: HicacheConfig) -> float:
+    """How long a SIGTERM can take to exit: in-flight calls (`STOP_GRACE_S`), the flush to
+    L3 (`server.shutdown_flush_s`), then closing, which waits for an L3 call under way (at
+    most `storage.timeout_s`; a hung store takes that long). A supervisor's stop timeout
+    (systemd's TimeoutStopSec, a pod's terminationGracePeriodSeconds) must exceed it, or the
+    daemon is killed before it unlinks its shared memory."""
+    return STOP_GRACE_S + cfg.server.shutdown_flush_s + cfg.storage.timeout_s
+
+
 def _default_core(cfg: HicacheConfig, instance: str) -> CacheService:
     from hicache.controller.controller import build_controller
 
