@@ -7,6 +7,9 @@ and hands `PoolDescriptor`s to engines, which map them with `attach_device_pools
 Shared-memory segments are files under ``/dev/shm`` named
 ``hicache-<instance>-<owner pid>-<member>``: the owner pid in the name lets a restarted
 daemon recognise (and unlink) the segments of one that was killed (`cleanup_stale_segments`).
+A starting daemon also unlinks those of every other instance nobody holds the lock of
+(`sweep_dead_instances`): one killed and restarted under another name (another socket
+path or port) would otherwise leave its L1 memory there until the node reboots.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,8 +35,11 @@ from hicache.tiers.members import MemberTable
 from hicache.tiers.prefault import Prefaulter
 from hicache.types import ComponentKind
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "hicache-"
+LOCK_WAIT_S = 1.0  # a start tries a held instance lock this long (see `InstanceLock`)
 SEGMENT_MODE = 0o660  # like the control socket: the engine may run as another user of the group
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.]+")
 _MEMBER_RE = re.compile(r"[A-Za-z0-9_.-]+")
@@ -54,26 +62,48 @@ class InstanceLock:
     segment of the instance is a dead daemon's. Unlike owner PIDs it holds across PID
     namespaces sharing /dev/shm (containers, where every daemon is PID 1)."""
 
-    def __init__(self, instance: str, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, instance: str, shm_dir: Path = SHM_DIR, wait_s: float = 0.0) -> None:
+        """`wait_s`: how long a held lock is tried again (another daemon's start sweeping
+        dead instances holds each lock it finds for a moment)."""
         segment_name(instance, 0, "x")  # validates the instance name
         self.path = shm_dir / f"{SEGMENT_PREFIX}{instance}.lock"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        deadline = time.monotonic() + wait_s
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise FailedPrecondition(
+                    f"daemon instance {instance!r} is already served by a live daemon (it "
+                    f"holds {self.path}); stop it or pick another instance name"
+                ) from None
+            # A holder unlinks the file when it releases: the one locked here may be that
+            # unlinked file (opened just before), which nobody else will ever find. Held
+            # only when it is still the file at the path; else try the path's new one.
+            if _same_file(fd, self.path):
+                break
             os.close(fd)
-            raise FailedPrecondition(
-                f"daemon instance {instance!r} is already served by a live daemon (it holds "
-                f"{self.path}); stop it or pick another instance name"
-            ) from None
         self._fd: int | None = fd
 
     def release(self) -> None:
         if self._fd is None:
             return
-        self.path.unlink(missing_ok=True)  # (while still held: no one locks a stale file)
+        self.path.unlink(missing_ok=True)  # (while still held: see __init__ for the race)
         os.close(self._fd)  # drops the lock
         self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR,
@@ -101,6 +131,32 @@ def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR,
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         removed.append(path.name)
+    return removed
+
+
+def sweep_dead_instances(shm_dir: Path = SHM_DIR, keep: str = "") -> list[str]:
+    """Unlink the segments (and the lock file) of every instance but `keep` whose lock
+    nobody holds: its daemon is dead. Returns the segments' names. An instance a live
+    daemon holds is left alone, and one whose files this user may not remove is skipped
+    (logged): the sweep never fails a start."""
+    removed: list[str] = []
+    for lock_path in sorted(shm_dir.glob(f"{SEGMENT_PREFIX}*.lock")):
+        instance = lock_path.name[len(SEGMENT_PREFIX) : -len(".lock")]
+        if instance == keep or not _INSTANCE_RE.fullmatch(instance):
+            continue
+        try:
+            lock = InstanceLock(instance, shm_dir)
+        except FailedPrecondition:
+            continue  # served by a live daemon
+        except OSError as e:
+            log.info("not sweeping daemon instance %r: %s", instance, e)
+            continue
+        try:
+            removed += cleanup_stale_segments(instance, shm_dir, lock)
+        except OSError as e:
+            log.info("could not sweep daemon instance %r: %s", instance, e)
+        finally:
+            lock.release()
     return removed
 
 
@@ -230,9 +286,13 @@ class ShmDevicePools(MemberTable, DevicePools):
     ) -> ShmDevicePools:
         """Lock `instance`, clean its stale segments, then create the pools sized by `cfg`
         (they hold the lock until closed)."""
-        lock = InstanceLock(instance, shm_dir)
+        lock = InstanceLock(instance, shm_dir, wait_s=LOCK_WAIT_S)
         try:
             cleanup_stale_segments(instance, shm_dir, lock)
+            swept = sweep_dead_instances(shm_dir, keep=instance)
+            if swept:
+                log.warning("removed %d shared-memory segments of dead daemons under other "
+                            "instance names: %s", len(swept), ", ".join(swept))
             members = cfg.model.members
             pages = {m.component: cfg.pages_for(m.component) for m in members}
             return cls(instance, members, pages, shm_dir, lock)

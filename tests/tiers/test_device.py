@@ -23,6 +23,7 @@ from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from hicache.tiers.base import PoolDescriptor, PoolKind
 from hicache.tiers.device import (
     SHM_DIR,
+    InstanceLock,
     ShmDevicePools,
     attach_device_pools,
     cleanup_stale_segments,
@@ -219,6 +220,72 @@ def test_segments_left_under_our_own_pid_are_stale_once_the_instance_is_locked(
     finally:
         if leftover.exists() and leftover not in pools.segment_paths():
             leftover.unlink()
+
+
+def test_a_lock_file_unlinked_by_its_releasing_holder_is_never_held(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """B opens the lock file, A releases (unlinks it, drops the lock), B locks: B held a
+    file no one else would find, so C created a new one and locked it too (two daemons
+    for one instance, each unlinking the other's segments). B now takes the path's file."""
+    import fcntl
+
+    from hicache.tiers import device
+
+    a = InstanceLock("inst", tmp_path)
+    real = fcntl.flock
+
+    def a_releases_first(fd: int, op: int) -> None:
+        monkeypatch.setattr(device.fcntl, "flock", real)
+        a.release()
+        real(fd, op)
+
+    monkeypatch.setattr(device.fcntl, "flock", a_releases_first)
+    b = InstanceLock("inst", tmp_path)
+    assert b.path.exists() and os.fstat(b._fd).st_nlink == 1  # type: ignore[arg-type]
+    with pytest.raises(FailedPrecondition, match="already served by a live daemon"):
+        InstanceLock("inst", tmp_path)
+    b.release()
+
+
+def test_a_start_waits_out_another_starts_sweep_holding_its_lock(tmp_path: Path) -> None:
+    """A daemon starting while another's sweep holds its instance lock for a moment is
+    not refused as "already served" (it tries the lock again for `wait_s`); a lock held
+    for good still refuses it."""
+    import threading
+
+    sweeping = InstanceLock("inst", tmp_path)
+    threading.Timer(0.2, sweeping.release).start()
+    InstanceLock("inst", tmp_path, wait_s=5.0).release()
+    held = InstanceLock("inst", tmp_path)
+    with pytest.raises(FailedPrecondition, match="already served"):
+        InstanceLock("inst", tmp_path, wait_s=0.2)
+    held.release()
+
+
+def test_a_start_sweeps_the_segments_of_dead_daemons_under_other_instance_names(
+    instance: str, make_device: Make
+) -> None:
+    """A daemon killed and restarted under another instance name (another socket path or
+    port) left its segments in /dev/shm until reboot; a start now removes every instance
+    nobody holds the lock of, and leaves a live one alone."""
+    dead, live = f"{instance}_dead", f"{instance}_live"
+    (SHM_DIR / f"hicache-{dead}.lock").write_bytes(b"")  # a SIGKILL leaves it
+    dead_segments = [SHM_DIR / f"hicache-{dead}-12345-{m}" for m in ("full", "mamba")]
+    for path in dead_segments:
+        path.write_bytes(b"\0" * 4096)
+    held = InstanceLock(live)
+    live_segment = SHM_DIR / f"hicache-{live}-{os.getpid()}-full"
+    live_segment.write_bytes(b"\0" * 4096)
+    try:
+        make_device(tiny_config())
+        assert not any(p.exists() for p in dead_segments)
+        assert not (SHM_DIR / f"hicache-{dead}.lock").exists()
+        assert live_segment.exists() and held.path.exists()
+    finally:
+        live_segment.unlink(missing_ok=True)
+        held.release()
+        for path in dead_segments:
+            path.unlink(missing_ok=True)
 
 
 def test_instance_names_are_checked() -> None:
