@@ -43,6 +43,8 @@ GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
+L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header ...
+L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (tiers.sizing checks both)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
@@ -543,12 +545,22 @@ class HicacheConfig:
         return budget // token_bytes
 
     def l2_pages(self, l1_pages: int) -> int:
-        """Pages of each L2 pool: ratio x L1, or size_gb split like L1 is."""
+        """Pages of each L2 pool: ratio x L1 (rounded up, as MAMBA's slots are: 100 x 2.3
+        is 230, not the 229 its float product truncates to), or as many as `size_gb`
+        holds with each page's L2 slot (`l2_slot_bytes`: a page_first slot's header and
+        padding too, or the pools overran the budget)."""
         l2 = self.tiers.l2
         if l2.size_gb is None:
-            return int(l1_pages * l2.ratio)
-        per_page = sum(m.bytes_per_page for m in self.model.members)
+            return ratio_of(l1_pages, l2.ratio)
+        per_page = sum(self.l2_slot_bytes(m) for m in self.model.members)
         return max(1, int(l2.size_gb * GiB) // per_page)
+
+    def l2_slot_bytes(self, spec: MemberSpec) -> int:
+        """Bytes one page of `spec` takes in L2: header and payload padded to a cache line
+        (`page_first`, the layout of L3 objects), or the payload (`layer_first`)."""
+        if self.host_layout is HostLayout.PAGE_FIRST:
+            return -(-(L2_PAGE_HEADER_BYTES + spec.bytes_per_page) // L2_SLOT_ALIGN) * L2_SLOT_ALIGN
+        return spec.bytes_per_page
 
     def pages_for(self, kind: ComponentKind) -> int:
         """L1 pool size (in pages or slots) of a component."""
@@ -782,6 +794,12 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a string, got {_show(value, shown)}{hint}")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
+
+
+def ratio_of(count: int, ratio: float) -> int:
+    """`count` x `ratio`, rounded up; a float product a hair over a whole number (from the
+    ratio's binary form) counts as that number."""
+    return math.ceil(round(count * ratio, 6))
 
 
 def _host_port(value: str, path: str, problem: str) -> None:

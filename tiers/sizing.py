@@ -9,13 +9,12 @@ pages. A page's L2 slot is its header and payload rounded up to a cache line
 
 from __future__ import annotations
 
-import math
-
-from hicache.config import HicacheConfig, MemberSpec
+from hicache.config import HicacheConfig, MemberSpec, ratio_of
 from hicache.tiers.storage.integrity import HEADER_BYTES
 from hicache.types import ComponentKind, HostLayout
 
 SLOT_ALIGN = 64  # page_first slots start on a cache line (and an int64 boundary)
+# (`hicache.config` sizes a `size_gb` budget with copies of these two: a test checks them)
 
 
 def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
@@ -26,7 +25,7 @@ def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
         if kind is not ComponentKind.MAMBA:
             out[kind] = token_pages
         elif cfg.tiers.l2.size_gb is None:
-            out[kind] = math.ceil(cfg.tiers.l1.mamba_slots * cfg.tiers.l2.ratio)
+            out[kind] = ratio_of(cfg.tiers.l1.mamba_slots, cfg.tiers.l2.ratio)
         else:
             out[kind] = token_pages
     return out
@@ -34,7 +33,8 @@ def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
 
 def slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:
     """Bytes one page of `spec` takes in L2: header + payload padded (`page_first`), or the
-    payload (`layer_first`, where a page's layers are apart)."""
+    payload (`layer_first`, where a page's layers are apart). The configuration sizes a
+    `size_gb` budget by the same rule (`HicacheConfig.l2_slot_bytes`)."""
     if layout is HostLayout.PAGE_FIRST:
         return round_up(HEADER_BYTES + spec.bytes_per_page, SLOT_ALIGN)
     return spec.bytes_per_page

@@ -7,10 +7,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from tierkit import tiny_config
+from tierkit import TINY, tiny_config
 
+from hicache.config import L2_PAGE_HEADER_BYTES, L2_SLOT_ALIGN, build_config
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.host import HEADER_BYTES, HostBufferPools, build_host_pools, host_pages
+from hicache.tiers.sizing import SLOT_ALIGN, slot_bytes
 from hicache.types import ComponentKind, HostLayout
 
 Make = Callable[..., HostBufferPools]
@@ -29,6 +31,28 @@ def test_size_gb_splits_the_budget_over_every_member() -> None:
     pages = host_pages(cfg)
     assert pages == {ComponentKind.FULL: 1000, ComponentKind.MAMBA: 1000}
     assert sum(pages[m.component] * m.bytes_per_page for m in cfg.model.members) <= 136 * 1000
+
+
+def test_a_ratio_whose_float_product_falls_short_of_a_whole_number_rounds_to_it() -> None:
+    """4 x 2.3 is 9.2 and rounds up for both (MAMBA's ceil); 100 x 2.3 is
+    229.99999999999997 in floats, and token pages used to truncate it to 229."""
+    cfg = build_config({**TINY, "tiers": {**TINY["tiers"], "l1": {**TINY["tiers"]["l1"], "tokens": 4 * 100,
+                                                                     "mamba_slots": 100},
+                                          "l2": {**TINY["tiers"]["l2"], "ratio": 2.3}}})
+    assert host_pages(cfg) == {ComponentKind.FULL: 230, ComponentKind.MAMBA: 230}
+
+
+def test_a_page_first_size_gb_budget_counts_each_slots_header_and_padding() -> None:
+    """page_first slots hold a 64-byte header and pad to a cache line: the budget used to
+    be split by payload bytes alone, and the pools overran it (2.8x for this tiny model)."""
+    budget = 1 << 20
+    cfg = tiny_config("page_first", size_gb=budget / (1 << 30))
+    pages = host_pages(cfg)
+    used = sum(pages[m.component] * slot_bytes(m, HostLayout.PAGE_FIRST) for m in cfg.model.members)
+    per_page = sum(slot_bytes(m, HostLayout.PAGE_FIRST) for m in cfg.model.members)
+    assert budget - per_page < used <= budget
+    assert all(cfg.l2_slot_bytes(m) == slot_bytes(m, cfg.host_layout) for m in cfg.model.members)
+    assert (HEADER_BYTES, SLOT_ALIGN) == (L2_PAGE_HEADER_BYTES, L2_SLOT_ALIGN)  # one rule
 
 
 def test_layer_first_is_like_l1_and_has_no_page_objects(make_host: Make) -> None:
