@@ -779,6 +779,7 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
                        cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones)
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None
+    copier: CopyEngine | None = None
     try:
         host = build_host_pools(cfg)
         copier = build_copy_engine(device, host)
@@ -801,6 +802,8 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
         ctl = HybridCacheController(cfg, tree, device, host, copier, l3)
         ctl.l3_down = down
     except BaseException:
+        if copier is not None:  # (first: it holds views of both pools, and helper threads)
+            copier.close()
         if host is not None:
             host.close()
         device.close()

@@ -61,6 +61,7 @@ from hicache.tiers.rows import (
     RowPlan,
     plan_rows,
     validate_copy,
+    validate_slot_copy,
 )
 from hicache.types import ComponentKind
 
@@ -89,6 +90,7 @@ class CpuCopyEngine(CopyEngine):
         self._host = host
         self._threads = max(1, threads)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._rows: dict[tuple[bool, str], MemberRows] = {}
         self._families: dict[tuple[bool, ComponentKind], tuple[int, list[_MemberPair], int]] = {}
 
@@ -113,6 +115,7 @@ class CpuCopyEngine(CopyEngine):
         return self._copy(family, self._host, s, self._device, d, on_layer)
 
     def copy_within_device(self, family: ComponentKind, src: int, dst: int) -> None:
+        validate_slot_copy(family, self._device, src, dst)
         for spec in self._device.family(family):
             for layer in range(spec.layers):
                 rows = self._device.layer(spec.name, layer)
@@ -226,11 +229,12 @@ class CpuCopyEngine(CopyEngine):
             raise errors[0]
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max(1, self._threads - 1), thread_name_prefix="hicache-copy"
-            )
-        return self._pool
+        with self._pool_lock:  # first copies may start on several threads at once
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max(1, self._threads - 1), thread_name_prefix="hicache-copy"
+                )
+            return self._pool
 
 
 def _report(

@@ -40,7 +40,7 @@ from hicache.tiers.base import (
 )
 from hicache.tiers.copy import copy_rows
 from hicache.tiers.members import MemberTable
-from hicache.tiers.rows import RowPlan, plan_rows, validate_copy
+from hicache.tiers.rows import RowPlan, plan_rows, validate_copy, validate_slot_copy
 from hicache.types import ComponentKind
 
 # cudaHostRegister calls cover at most this much: recent drivers refuse single calls near
@@ -273,6 +273,7 @@ class CudaCopyEngine(CopyEngine):
         the copy stream would wait for every load and flush queued there. Nothing queued
         there touches `src` (a checkpoint in the tree: its copy completed before it landed)
         or `dst` (just allocated)."""
+        validate_slot_copy(family, self._device, src, dst)
         main = torch.cuda.current_stream(self._cow_stream.device)
         self._cow_stream.wait_stream(main)
         with torch.cuda.stream(self._cow_stream):

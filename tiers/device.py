@@ -69,7 +69,13 @@ class InstanceLock:
         self.path = shm_dir / f"{SEGMENT_PREFIX}{instance}.lock"
         deadline = time.monotonic() + wait_s
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            except PermissionError as e:
+                raise FailedPrecondition(
+                    f"daemon instance {instance!r}: cannot open {self.path} ({e.strerror}): "
+                    "another user's daemon uses this instance name; pick another one"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -128,8 +134,15 @@ def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR,
                 f"daemon instance {instance!r} is already served by live pid {pid} "
                 f"(segment {shm_dir / path.name}); stop it or pick another instance name"
             )
-        with contextlib.suppress(FileNotFoundError):
+        try:
             path.unlink()
+        except FileNotFoundError:
+            pass
+        except PermissionError as e:
+            raise FailedPrecondition(
+                f"daemon instance {instance!r}: cannot remove the dead daemon's segment {path} "
+                f"({e.strerror}): remove it as its owner, or pick another instance name"
+            ) from None
         removed.append(path.name)
     return removed
 
@@ -153,7 +166,7 @@ def sweep_dead_instances(shm_dir: Path = SHM_DIR, keep: str = "") -> list[str]:
             continue
         try:
             removed += cleanup_stale_segments(instance, shm_dir, lock)
-        except OSError as e:
+        except (OSError, FailedPrecondition) as e:  # (another user's segments)
             log.info("could not sweep daemon instance %r: %s", instance, e)
         finally:
             lock.release()

@@ -150,6 +150,17 @@ def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return widen(torch.from_numpy(grid))
 
 
+def validate_slot_copy(family: ComponentKind, pools: MemberPools, src: int, dst: int) -> None:
+    """Check a copy of one slot to another within `pools` (MAMBA copy-on-write): both in
+    range (a -1 would index the last slot) and not the same slot."""
+    n = pools.num_pages(family)
+    for name, slot in (("source", src), ("destination", dst)):
+        if not 0 <= slot < n:
+            raise InvalidArgument(f"{family.value} {name} slot {slot} is outside [0, {n})")
+    if src == dst:
+        raise InvalidArgument(f"{family.value}: copy of slot {src} onto itself")
+
+
 def validate_copy(
     family: ComponentKind,
     src: MemberPools,

@@ -185,3 +185,36 @@ def test_a_failed_checkpoint_copy_leaves_no_page_of_the_allocation(make, monkeyp
     ctl.release("e1", m.lock_id, None)
     ctl.release("e1", None, m.allocation_id)
     ctl.check_integrity()
+
+
+def test_a_start_that_fails_after_the_copy_engine_closes_it_and_the_pools(tmp_path, monkeypatch) -> None:
+    """A required L3 that cannot be reached fails the start after the copy engine was
+    built: it is closed with the pools (it was left holding views and helper threads)."""
+    import time
+
+    from engine_sim import tiny_config
+
+    from hicache.controller import controller as controller_mod
+    from hicache.errors import BackendUnavailable
+    from hicache.tiers.device import SHM_DIR
+
+    closed: list[object] = []
+    real = controller_mod.build_copy_engine
+
+    def spied(device, host):  # type: ignore[no-untyped-def]
+        engine = real(device, host)
+        close = engine.close
+        monkeypatch.setattr(engine, "close", lambda: (closed.append(engine), close()))
+        return engine
+
+    def unreachable(cfg, host):  # type: ignore[no-untyped-def]
+        raise BackendUnavailable("simulated: the store is down")
+
+    monkeypatch.setattr(controller_mod, "build_copy_engine", spied)
+    monkeypatch.setattr(controller_mod, "open_l3", unreachable)
+    cfg = tiny_config(tmp_path, storage__required=True)
+    instance = f"failstart{int(time.time() * 1000) % 100000}"
+    with pytest.raises(BackendUnavailable, match="simulated"):
+        controller_mod.build_controller(cfg, instance)
+    assert len(closed) == 1
+    assert not list(SHM_DIR.glob(f"hicache-{instance}-*"))  # the pools went too

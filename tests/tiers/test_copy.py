@@ -163,6 +163,56 @@ def test_bad_copies_are_refused_before_any_byte_moves(
     engine.close()
 
 
+def test_a_slot_copy_outside_the_pool_or_onto_itself_is_refused(
+    make_device: Callable[..., ShmDevicePools], make_host: Callable[..., HostBufferPools]
+) -> None:
+    """MAMBA copy-on-write within L1: a slot of -1 used to copy the last slot (numpy and
+    torch index from the end), silently."""
+    cfg = tiny_config()
+    dev, host = make_device(cfg), make_host(cfg)
+    engine = CpuCopyEngine(dev, host)
+    slots = dev.num_pages(MAMBA)
+    fill(dev, MAMBA, np.arange(slots))
+    for src, dst, fragment in ((-1, 0, "source slot -1"), (0, slots, f"destination slot {slots}"),
+                               (2, 2, "slot 2 onto itself")):
+        with pytest.raises(InvalidArgument, match=fragment):
+            engine.copy_within_device(MAMBA, src, dst)
+    assert_holds(dev, MAMBA, np.arange(slots), np.arange(slots))  # nothing moved
+    engine.copy_within_device(MAMBA, 1, 0)
+    assert_holds(dev, MAMBA, i64(0), i64(1))
+    engine.close()
+
+
+def test_the_helper_pool_is_made_once_when_first_copies_start_together(
+    make_device: Callable[..., ShmDevicePools], make_host: Callable[..., HostBufferPools],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two threads' first large copies used to make a helper pool each (one leaked)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    made: list[object] = []
+
+    class SlowPool(ThreadPoolExecutor):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            time.sleep(0.05)  # widens the window between the check and the assignment
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(copy_mod, "ThreadPoolExecutor", SlowPool)
+    cfg = tiny_config()
+    engine = CpuCopyEngine(make_device(cfg), make_host(cfg))
+    start = threading.Barrier(4)
+    threads = [threading.Thread(target=lambda: (start.wait(), engine._executor())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1
+    engine.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -288,6 +288,41 @@ def test_a_start_sweeps_the_segments_of_dead_daemons_under_other_instance_names(
             path.unlink(missing_ok=True)
 
 
+def test_another_users_instance_is_a_clear_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lock file or a dead daemon's segment this user may not touch (another user's
+    daemon used the name) used to surface as a raw PermissionError traceback."""
+    from hicache.tiers import device
+
+    real_open = os.open
+
+    def denied(path, flags, mode=0o777):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(device.os, "open", denied)
+    with pytest.raises(FailedPrecondition, match="another user's daemon uses this instance name"):
+        InstanceLock("inst", tmp_path)
+    monkeypatch.undo()
+    segment = tmp_path / "hicache-inst-12345-full"
+    segment.write_bytes(b"")
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:  # the segment is not ours
+        if self == segment:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    lock = InstanceLock("inst", tmp_path)
+    with pytest.raises(FailedPrecondition, match="cannot remove the dead daemon's segment"):
+        cleanup_stale_segments("inst", tmp_path, lock)
+    lock.release()
+    (tmp_path / "hicache-inst.lock").write_bytes(b"")  # as a killed daemon leaves it
+    assert device.sweep_dead_instances(tmp_path) == []  # skipped (logged): never fails a start
+    assert segment.exists()
+
+
 def test_instance_names_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="letters, digits"):
         cleanup_stale_segments("a-b")
