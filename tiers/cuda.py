@@ -222,7 +222,8 @@ def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
 
 
 class CudaCopyEngine(CopyEngine):
-    """L1 (GPU) <-> L2 (pinned host) on a dedicated stream, one event per layer.
+    """L1 (GPU) <-> L2 (pinned host) on dedicated streams (one for backups, one for loads),
+    one event per layer.
 
     Layers are enqueued in order; after each, the layers whose copies already finished are
     reported (a host->device copy that stages on the CPU gathers layer `l+1` while layer
@@ -240,7 +241,13 @@ class CudaCopyEngine(CopyEngine):
         # On the pools' GPU (not whichever is current): the streams and events must be
         # the ones of the device the rows live on.
         ordinal = device.device if isinstance(device, CudaDevicePools) else torch.cuda.current_device()
+        # Backups (L1 -> L2) and loads (L2 -> L1) on streams of their own (DESIGN §3): a
+        # load, on a request's time to first token, never queues behind a flush. They need
+        # no order between them: each call waits for its own copies before it returns,
+        # and no page is both a backup's source and a load's target at once (the tree
+        # pins the one, the other is freshly allocated).
         self._stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
+        self._load_stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
         self._cow_stream = torch.cuda.Stream(device=torch.device("cuda", ordinal))
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="hicache-cuda-copy")
 
@@ -285,6 +292,7 @@ class CudaCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._stream.synchronize()
+        self._load_stream.synchronize()
         self._pool.shutdown(wait=True)
 
     def _run(
@@ -314,15 +322,16 @@ class CudaCopyEngine(CopyEngine):
         # after the engine's kernels, which run in another process (the engine
         # synchronizes before Insert/Release). Nothing waits the other way round: when
         # this returns, every copy it queued has completed (its events were waited for).
-        main = torch.cuda.current_stream(self._stream.device)
+        stream = self._stream if to_host else self._load_stream
+        main = torch.cuda.current_stream(stream.device)
         # Uploaded on the current stream (a blocking upload on the copy stream would wait
         # for every copy other threads queued there), kept from reuse until the copy
         # stream is done with it.
-        gpu_ids = torch.from_numpy(dev_ids).to(self._stream.device, non_blocking=False)
-        gpu_ids.record_stream(self._stream)
-        self._stream.wait_stream(main)
+        gpu_ids = torch.from_numpy(dev_ids).to(stream.device, non_blocking=False)
+        gpu_ids.record_stream(stream)
+        stream.wait_stream(main)
         try:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 for layer in range(layers):
                     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
                     for spec in members:
@@ -352,18 +361,18 @@ class CudaCopyEngine(CopyEngine):
                                     (n, host_rows.shape[1]), dtype=torch.uint8, pin_memory=True
                                 )
                                 copy_rows(host_plan, host_rows, src, self._pool)
-                            rows = src.to(self._stream.device, non_blocking=True)
+                            rows = src.to(stream.device, non_blocking=True)
                             dev_rows.index_copy_(0, gpu_ids, rows)
                     # Blocking: a waiting thread sleeps instead of spinning on a core.
                     event = torch.cuda.Event(blocking=True)
-                    event.record(self._stream)
+                    event.record(stream)
                     events.append(event)
                     finish.append(pending)
                     reported = self._report(events, finish, host_plan, reported, on_layer, wait=False)
             self._report(events, finish, host_plan, reported, on_layer, wait=True)
         except BaseException:
             # Copies already queued may still write into pages the caller frees now.
-            self._stream.synchronize()
+            stream.synchronize()
             raise
         # (No `main.wait_stream(self._stream)`: it would make later work on this thread's
         # stream, a copy-on-write or the next upload, wait for other threads' copies.)

@@ -215,7 +215,7 @@ def test_an_error_mid_copy_waits_for_what_was_queued_before_raising(
         with pytest.raises(RuntimeError, match="went away"):
             engine.host_to_device(FULL, np.array([0, 1], dtype=np.int64),
                                   np.array([2, 3], dtype=np.int64), on_layer=on_layer)
-        assert fake.log[-1] == ("stream.synchronize", 1)  # the copy stream
+        assert fake.log[-1] == ("stream.synchronize", 2)  # the load stream
     finally:
         engine.close()
 
@@ -235,8 +235,11 @@ def test_a_finished_copy_leaves_nothing_on_the_current_stream_waiting_for_other_
     finally:
         engine.close()
     waits = [e for e in fake.log if e[0] == "wait_stream"]
-    assert waits == [("wait_stream", 1, 0)] * 2  # the copy stream after this thread's, only
-    assert ("record_stream", fake.streams[1]) in fake.log  # page ids kept for the copy stream
+    # The load's stream (2), then the backup's (1), after this thread's, only: a load
+    # never queues behind a flush (DESIGN 3).
+    assert waits == [("wait_stream", 2, 0), ("wait_stream", 1, 0)]
+    for stream in (2, 1):  # page ids kept for the copy stream that reads them
+        assert ("record_stream", fake.streams[stream]) in fake.log
 
 
 def test_copy_on_write_is_complete_when_it_returns(
@@ -251,9 +254,9 @@ def test_copy_on_write_is_complete_when_it_returns(
                 dev.layer(m.name, layer)[1] = 7 + layer
         fake.log.clear()
         engine.copy_within_device(MAMBA, 1, 3)
-        # On its own stream (2), after this thread's (0), never waiting for the copy
-        # stream (1), where loads and flushes queue.
-        assert fake.log == [("wait_stream", 2, 0), ("stream.synchronize", 2)]
+        # On its own stream (3), after this thread's (0), never waiting for the copy
+        # streams (1, 2), where flushes and loads queue.
+        assert fake.log == [("wait_stream", 3, 0), ("stream.synchronize", 3)]
         for m in dev.family(MAMBA):
             for layer in range(m.layers):
                 assert (dev.layer(m.name, layer)[3] == 7 + layer).all()
@@ -298,7 +301,7 @@ def test_the_copy_streams_are_made_on_the_pools_gpu_not_the_current_one(
     pools._device = 1
     engine = CudaCopyEngine(pools, make_host(tiny_config()))
     try:
-        assert [stream.made_on for stream in fake.streams[1:]] == [("cuda", 1), ("cuda", 1)]
+        assert [stream.made_on for stream in fake.streams[1:]] == [("cuda", 1)] * 3
     finally:
         engine.close()
 
