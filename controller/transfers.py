@@ -445,7 +445,12 @@ class Transfers:
         policy = self.cfg.write.l1_to_l2
         threshold = self.cfg.write.selective_threshold
         if policy is not WritePolicy.WRITE_BACK:
-            for node in self.tree.nodes_lacking(end, FULL, Tier.HOST):
+            lacking = self.tree.nodes_lacking(end, FULL, Tier.HOST)
+            if len(self.ctl._kinds) > 1 and end not in lacking:
+                # A slot committed after the node's FULL pages went down (a checkpoint, a
+                # whole SWA window): `backup_to_host_async` copies what L2 lacks.
+                lacking.append(end)
+            for node in lacking:
                 if policy is WritePolicy.WRITE_THROUGH or self.tree.hits(node) >= threshold:
                     self.backup_to_host_async(node)
         if self.ctl.l3 is not None:
@@ -691,30 +696,31 @@ class Transfers:
             return
         threshold = self.cfg.write.selective_threshold
         for node in nodes:
-            if not self.tree.is_resident(node, FULL, Tier.HOST) or self.tree.is_resident(
-                node, FULL, Tier.STORAGE
-            ):
+            # (A checkpoint or window committed after FULL went down goes on its own.)
+            kinds = self.tree.slots_for_storage(node)
+            if not kinds:
                 continue
             if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) < threshold:
                 continue
-            self.backup_to_storage(node)
+            self.backup_to_storage(node, kinds)
 
-    def backup_to_storage(self, node: object) -> None:
-        """Queue an L3 write of `node`'s L2 family slots. Its host pages are held (a free
-        while the write runs is parked until it finished) rather than the node pinned, so
-        a slow store never locks L1 or L2 pages. Dropped (counted) while the breaker is
-        open or the queue is full."""
+    def backup_to_storage(self, node: object, kinds: list[ComponentKind]) -> None:
+        """Queue an L3 write of `node`'s L2 slots of `kinds` (`slots_for_storage`). Its host
+        pages are held (a free while the write runs is parked until it finished) rather
+        than the node pinned, so a slow store never locks L1 or L2 pages. Dropped (counted)
+        while the breaker is open or the queue is full. `backups_l3` counts FULL pages."""
         l3 = self.ctl.l3
         assert l3 is not None
         if id(node) in self._queued_l3:
             return
         hashes = self.tree.page_hashes(node)
+        full_pages = len(hashes) // PAGE_HASH_BYTES if FULL in kinds else 0
         if not l3.takes_writes:
-            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            self.stats["backups_dropped"] += full_pages
             return
         namespace = self.tree.namespace_of(node)
         pages = {
-            kind: ids for kind in self.ctl._kinds
+            kind: ids for kind in kinds
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
         writing = self._hold_for_l3(namespace, hashes, pages)
@@ -727,7 +733,7 @@ class Transfers:
                 if not stored:
                     self.stats["backups_l3_failed"] += int(failed)
                     return
-                self.stats["backups_l3"] += len(hashes) // PAGE_HASH_BYTES
+                self.stats["backups_l3"] += full_pages
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
@@ -745,7 +751,7 @@ class Transfers:
             finish(True)
 
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
-            self.stats["backups_dropped"] += len(hashes) // PAGE_HASH_BYTES
+            self.stats["backups_dropped"] += full_pages
             finish(False, failed=False)
 
     def _hold_for_l3(self, namespace: str, hashes: bytes,
@@ -952,12 +958,10 @@ class Transfers:
         self.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
-                if not self.tree.is_resident(node, FULL, Tier.HOST):
+                if self._missing_in_host(node):  # (any slot L1 holds and L2 lacks)
                     self.backup_to_host(node)
-                if self.tree.is_resident(node, FULL, Tier.HOST) and not self.tree.is_resident(
-                    node, FULL, Tier.STORAGE
-                ):
-                    self.backup_to_storage(node)
+                if kinds := self.tree.slots_for_storage(node):
+                    self.backup_to_storage(node, kinds)
         self.drain(max(0.0, deadline - time.monotonic()))
         return self.stats["backups_l3"] - before
 

@@ -426,6 +426,22 @@ class HiRadixTree:
         assert isinstance(node, Node)
         return bool(node.mask[self._by_kind[kind].index] & (1 << tier))
 
+    def slots_for_storage(self, node: object) -> list[ComponentKind]:
+        """Kinds of `node` whose slot an L3 write would add, FULL first: with FULL going
+        down (in L2, not recorded in L3), every slot L2 holds that L3 has not recorded;
+        with FULL recorded in L3 already, only whole ones (a checkpoint or window committed
+        since): a partial slot, an SWA tail, is never recorded in L3, and offering it again
+        would write it on every call. Nothing while FULL is in neither."""
+        assert isinstance(node, Node)
+        host, storage = 1 << Tier.HOST, 1 << Tier.STORAGE
+        mask = node.mask
+        skip = storage
+        if mask[FULL_INDEX] & storage:
+            skip |= PARTIAL
+        elif not mask[FULL_INDEX] & host:
+            return []
+        return [c.kind for c in self.components if mask[c.index] & host and not mask[c.index] & skip]
+
     def is_live(self, node: object) -> bool:
         """Whether `node` is still part of the tree (not evicted from every tier)."""
         assert isinstance(node, Node)

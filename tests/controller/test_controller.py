@@ -632,6 +632,60 @@ def test_l2_to_l3_write_back_writes_a_node_once_and_a_checkpoint_even_when_full_
     ctl.check_integrity()
 
 
+@pytest.mark.parametrize("flush", [False, True])
+def test_a_checkpoint_committed_after_its_nodes_full_pages_went_down_reaches_l2_and_l3(
+    make, flush: bool
+) -> None:
+    """Write-through, hybrid: a prompt first committed without its checkpoint (FULL and
+    SWA go to L2 and L3), then again with it. The checkpoint used to stay in L1 only
+    (every write path looked at FULL alone), and Flush skipped it too: once L1 let go, no
+    node could resume from that boundary out of L3."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through",
+               write__l2_to_l3="write_back" if flush else "write_through")
+    eng = Engine(ctl)
+    prompt = seq(4)
+    eng.request(prompt, checkpoint=False)
+    assert ctl.transfers.drain(10)
+    if flush:
+        ctl.flush(10)
+    eng.request(prompt, checkpoint=True)
+    assert ctl.transfers.drain(10)
+    (node,) = [n for n in ctl.tree.iter_nodes() if ctl.tree.depth_tokens(n) == 16]
+    assert ctl.tree.is_resident(node, MAMBA, Tier.HOST)
+    before = ctl.stats().counters["backups_l3"]
+    if flush:
+        ctl.flush(10)
+    assert ctl.tree.is_resident(node, MAMBA, Tier.STORAGE)
+    assert ctl.l3 is not None and ctl.l3.has("", eng.hashes(prompt)[-1], ctl.cfg.model.family(MAMBA))
+    assert ctl.stats().counters["backups_l3"] == before  # FULL was not written again
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    assert ctl.match("e1", MatchRequest("", prompt)).storage_tokens == 16  # resumable from L3
+    ctl.check_integrity()
+
+
+def test_a_partial_window_is_not_written_to_l3_again_and_again(make) -> None:
+    """An SWA tail shorter than its node is written with the node's FULL pages but never
+    recorded in L3: once FULL is there, later matches must not offer it again."""
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    prompt = seq(6)
+    eng.insert_with_swa_tail(prompt, 1)  # a 1-page tail of the window (2 pages here)
+    assert ctl.transfers.drain(10)
+    (node,) = [n for n in ctl.tree.iter_nodes() if ctl.tree.depth_tokens(n) == 24]
+    assert ctl.tree.is_resident(node, FULL, Tier.STORAGE)
+    assert len(ctl.tree.pages_of(node, ComponentKind.SWA, Tier.HOST)) == 1  # partial
+    assert ctl.l3 is not None
+    written: list[object] = []
+    real = ctl.l3.write
+    ctl.l3.write = lambda *a, **k: (written.append(a[2]), real(*a, **k))[1]  # type: ignore[method-assign]
+    for _ in range(3):  # what a match does with its path, and a landing with its nodes
+        with ctl._mu:
+            ctl.transfers._maybe_l3([node])
+        assert ctl.transfers.drain(10)
+    assert written == []
+    ctl.check_integrity()
+
+
 def test_l2_to_l3_selective_waits_for_hits(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through_selective",
                write__selective_threshold=3)
