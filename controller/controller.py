@@ -259,9 +259,6 @@ class HybridCacheController(CacheService):
                 self._engines.renew(engine_id)
             m = self.tree.match(req.namespace, req.tokens, lock=hold,
                                 session_id=req.session_id or None)
-            self.counters["lookups"] += 1
-            self.counters["hit_tokens_device"] += m.device_tokens
-            self.counters["hit_tokens_host"] += m.host_tokens
             self.transfers.after_match(m)
             # L3 continues from the deepest boundary the tree can serve; the tree may hold
             # nodes past it (a hybrid model's SWA window or MAMBA checkpoint missing there)
@@ -319,7 +316,6 @@ class HybridCacheController(CacheService):
         alloc_id = 0
         alloc_pages: PagesByMember = NO_PAGES  # (the outcome's own empty default)
         with self._mu:
-            self.counters["hit_tokens_storage"] += storage_tokens
             def lock_alive() -> None:
                 # The mutex was free during the L3 lookup (and may be while allocating):
                 # an engine whose lease lapsed meanwhile gets no handles.
@@ -366,6 +362,13 @@ class HybridCacheController(CacheService):
                 if m.lock is not None and not wants_lock and m.lock.active:
                     self.tree.unlock(m.lock)  # the prefetch-only hold
             device_pages = self._by_member(m.device_pages)
+            # Counted once answered: a match that fails (no room to allocate, a lapsed
+            # lease) and is retried is one lookup, its hits counted once.
+            counters = self.counters
+            counters["lookups"] += 1
+            counters["hit_tokens_device"] += m.device_tokens
+            counters["hit_tokens_host"] += m.host_tokens
+            counters["hit_tokens_storage"] += storage_tokens
         return MatchOutcome(
             device_tokens=m.device_tokens,
             host_tokens=m.host_tokens,

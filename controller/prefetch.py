@@ -40,8 +40,9 @@ log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 BATCH_PAGES = 256  # pages per L3 read: fewer, larger calls are what the backends are fast at
 MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L3 lookup
-# Longest a prefetch waits for writes in flight (or until its deadline): for the L2 pages
-# they hold, when L2 had no other room, and, before reading pages, for their writes.
+# Longest a prefetch waits for writes in flight, all its waits together (or until its
+# deadline): for the L2 pages they hold, when L2 had no other room, and, before reading
+# pages, for their writes.
 WRITES_WAIT_S = 5.0
 
 
@@ -73,6 +74,7 @@ class PrefetchOp:
     # Its worker is done with it (`_finish_locked`): a cancel or a timeout ends `state`
     # first, while the worker still holds its pages (mutex).
     finished: bool = False
+    writes_wait_until: float | None = None  # the end of its `WRITES_WAIT_S` (`_wait_left`)
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -326,13 +328,19 @@ class Prefetcher:
     @staticmethod
     def _wait_left(op: PrefetchOp) -> float:
         """How long the op may still wait for writes in flight (the lookup that started it
-        counted their pages as present): `WRITES_WAIT_S`, less after its deadline or a
-        cancel."""
+        counted their pages as present): `WRITES_WAIT_S` for the whole op, from its first
+        wait, not per read (a batch reads FULL, SWA and a checkpoint apart, and each got 5
+        s: 15 s for one batch, the one prefetch worker held up meanwhile); less after its
+        deadline; none once cancelled."""
         if op.cancelled:
             return 0.0
-        if op.deadline is None:
-            return WRITES_WAIT_S
-        return max(0.0, min(WRITES_WAIT_S, op.deadline - time.monotonic()))
+        now = time.monotonic()
+        if op.writes_wait_until is None:
+            op.writes_wait_until = now + WRITES_WAIT_S
+        left = op.writes_wait_until - now
+        if op.deadline is not None:
+            left = min(left, op.deadline - now)
+        return max(0.0, left)
 
     def _hold_until_returned(self, op: PrefetchOp, pending: list[Any]) -> None:
         """A read given up on runs on and may still write into the op's host pages: they

@@ -28,12 +28,15 @@ def test_a_match_whose_allocation_fails_keeps_no_lock_and_no_page(make) -> None:
     # taken while one is queued would count its lock.
     assert ctl.transfers.drain(10)
     before = held(ctl)
+    counted = {k: ctl.counters[k] for k in ("lookups", "hit_tokens_device", "hit_tokens_host")}
     for _ in range(3):
         with pytest.raises(ResourceExhausted, match="the pool has 16"):
             ctl.match("e1", MatchRequest("", seq(4), lock=True, allocate_tokens=4 * 100))
     assert held(ctl) == before
     assert ctl.heartbeat("e1").locks == 0
     assert ctl.tree.resident_pages(Tier.DEVICE, FULL) == 4  # nothing was evicted trying
+    # Not answered, not counted (each used to add a lookup and 16 hit tokens).
+    assert {k: ctl.counters[k] for k in counted} == counted
 
 
 def test_an_allocation_short_of_one_component_takes_none_of_the_others(make) -> None:

@@ -188,3 +188,40 @@ def test_a_read_waits_for_a_write_in_flight_at_most_its_wait(make) -> None:
         with ctl._mu:
             ctl.transfers.free_l2(FULL, ids)
     assert not l3._writing and l3.present_run("", hashes, members) == 0
+
+
+def test_a_prefetch_waits_for_writes_in_flight_once_not_per_read(make, monkeypatch) -> None:
+    """A hybrid batch reads FULL, SWA and the checkpoint apart, and each read waits for
+    the writes in flight of its pages: each used to get a fresh `WRITES_WAIT_S` (3x as
+    long for one batch, the one prefetch worker held meanwhile). Now the op gets it once."""
+    import hicache.controller.prefetch as pf
+    from hicache.controller import storage_io
+    from hicache.controller.workers import Job
+
+    monkeypatch.setattr(pf, "WRITES_WAIT_S", 0.3)
+    waits: list[float] = []
+    real = storage_io.L3Store.wait_written
+
+    def timed(self, namespace, hashes, members, timeout_s):  # type: ignore[no-untyped-def]
+        waits.append(timeout_s)
+        return real(self, namespace, hashes, members, timeout_s)
+
+    monkeypatch.setattr(storage_io.L3Store, "wait_written", timed)
+    ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    tokens = seq(4)
+    eng.request_then_only_in_l3(tokens)  # its objects in L3, the tree empty
+    gate = threading.Event()
+    ctl.transfers.backup_worker.submit(Job("gate", lambda: gate.wait(30), lambda _e: None))
+    try:
+        eng.request(tokens)  # recomputed: its L3 write waits behind the gate
+        assert ctl.transfers.copy_worker.drain(10)
+        _out_of_l1_and_l2(ctl)
+        m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
+        assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE  # (L3 has the objects)
+        ctl.release("e1", m.lock_id, None)
+    finally:
+        gate.set()
+    assert waits and sum(waits) <= 0.3 + 1e-6, waits  # it was 0.3 for each of three reads
+    assert ctl.transfers.drain(10)
+    ctl.check_integrity()
