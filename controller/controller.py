@@ -40,7 +40,7 @@ from hicache.controller.engines import AllocationRecord, Engine, EngineRegistry,
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
-from hicache.controller.workers import Job
+from hicache.controller.workers import CLOSE_WAIT_S, Job
 from hicache.errors import BackendUnavailable, ConfigError, InvalidArgument, NotFound
 from hicache.keys import PAGE_HASH_BYTES, chain_hashes
 from hicache.tiers.base import CopyEngine, DevicePools, HostPools
@@ -155,11 +155,14 @@ class HybridCacheController(CacheService):
         log.info("L3 %s connected; backups and prefetches start", self.cfg.storage.backend.value)
 
     def close(self) -> None:
+        # One deadline for every thread's last call: each may be an L3 call of up to
+        # `storage.timeout_s` (they used to wait 5 s each, one after another).
+        deadline = time.monotonic() + close_wait_s(self.cfg)
         self._stop.set()
         if self._prober.is_alive():
-            self._prober.join(timeout=5)
-        self.prefetcher.close()
-        self.transfers.close()
+            self._prober.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.prefetcher.close(deadline)
+        self.transfers.close(deadline)
         self.transfers.copier.close()  # it holds views of both pools: before they close
         if self.l3 is not None:
             self.l3.backend.unregister_host_buffer(self.host.buffer_address)
@@ -752,6 +755,12 @@ class HybridCacheController(CacheService):
             self.device.check_integrity()
             self.host.check_integrity()
             self.transfers.check_ownership(self._engines)
+
+
+def close_wait_s(cfg: HicacheConfig) -> float:
+    """The longest `close` waits for the controller's threads: an L3 call under way (at
+    most `storage.timeout_s`) and a little more for the work around it."""
+    return cfg.storage.timeout_s + CLOSE_WAIT_S
 
 
 def open_l3(cfg: HicacheConfig, host: HostPools) -> L3Store:

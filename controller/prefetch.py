@@ -114,9 +114,9 @@ class Prefetcher:
         self.worker.start()
         self.l1_worker.start()
 
-    def close(self) -> None:
-        self.worker.close()
-        self.l1_worker.close()
+    def close(self, deadline: float | None = None) -> None:
+        self.worker.close(deadline)
+        self.l1_worker.close(deadline)
 
     def get(self, op_id: int) -> PrefetchOp | None:
         with self.ctl._mu:

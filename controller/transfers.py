@@ -170,12 +170,12 @@ class Transfers:
         self.backup_worker.start()
         self.copy_worker.start()
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         with self.ctl._mu:  # a flush waiting for its batch goes now (or finds nothing)
             self._flush_now = True
             self._flush_wake.notify_all()
-        self.copy_worker.close()
-        self.backup_worker.close()
+        self.copy_worker.close(deadline)
+        self.backup_worker.close(deadline)
         self._load_threads.shutdown(wait=True)
 
     def drain(self, timeout_s: float) -> bool:

@@ -19,6 +19,7 @@ from hicache.errors import BackendUnavailable
 from hicache.logthrottle import ThrottledLog
 
 log = logging.getLogger("hicache.controller")
+CLOSE_WAIT_S = 5.0  # how long `Worker.close` waits for its thread unless given a deadline
 
 
 class NoRetry(Exception):
@@ -221,12 +222,16 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Stop after the jobs queued so far; wait for that until `deadline` (a monotonic
+        time; default 5 s from now)."""
         with self._idle:
             self._closed = True
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=5)
+            if deadline is None:
+                deadline = time.monotonic() + CLOSE_WAIT_S
+            self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _loop(self) -> None:
         while True:

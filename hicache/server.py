@@ -195,11 +195,14 @@ class Daemon:
 
 def longest_stop_s(cfg: HicacheConfig) -> float:
     """How long a SIGTERM can take to exit: in-flight calls (`STOP_GRACE_S`), the flush to
-    L3 (`server.shutdown_flush_s`), then closing, which waits for an L3 call under way (at
-    most `storage.timeout_s`; a hung store takes that long). A supervisor's stop timeout
-    (systemd's TimeoutStopSec, a pod's terminationGracePeriodSeconds) must exceed it, or the
-    daemon is killed before it unlinks its shared memory."""
-    return STOP_GRACE_S + cfg.server.shutdown_flush_s + cfg.storage.timeout_s
+    L3 (`server.shutdown_flush_s`), then closing, which waits for the L3 calls under way
+    (`close_wait_s`: `storage.timeout_s` + 5 s, one deadline for every thread; a hung
+    store takes that long). A supervisor's stop timeout (systemd's TimeoutStopSec, a pod's
+    terminationGracePeriodSeconds) must exceed it, or the daemon is killed before it
+    unlinks its shared memory (the next start then removes it)."""
+    from hicache.controller.controller import close_wait_s
+
+    return STOP_GRACE_S + cfg.server.shutdown_flush_s + close_wait_s(cfg)
 
 
 def _default_core(cfg: HicacheConfig, instance: str) -> CacheService:

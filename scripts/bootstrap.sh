@@ -12,22 +12,34 @@ VENV=$ROOT/.venv
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
+# (ldconfig is in /sbin, off a normal user's PATH on Debian.)
+LDCONFIG=$(command -v ldconfig || echo /sbin/ldconfig)
+have_lib() { "$LDCONFIG" -p 2>/dev/null | grep -q "$1"; }
 need_debs=()
 command -v redis-server >/dev/null 2>&1 || need_debs+=(redis-server)
-for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
-  ldconfig -p 2>/dev/null | grep -q "$lib" || need_debs+=("$(case $lib in libibverbs*) echo libibverbs1;; librdmacm*) echo librdmacm1;; *) echo libnuma1;; esac)")
-done
+# What the Mooncake wheel links against, even over TCP.
+have_lib libibverbs.so.1 || need_debs+=(libibverbs1)
+have_lib librdmacm.so.1 || need_debs+=(librdmacm1)
+have_lib libnuma.so.1 || need_debs+=(libnuma1)
+need_curl=0
+have_lib libcurl.so.4 || need_curl=1
 if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then need_debs+=(python3-venv); fi
-if [ ${#need_debs[@]} -gt 0 ]; then
-  echo "bootstrap: installing Debian packages: ${need_debs[*]}" >&2
+if [ ${#need_debs[@]} -gt 0 ] || [ "$need_curl" = 1 ]; then
   as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${need_debs[@]}" >/dev/null
+  if [ "$need_curl" = 1 ]; then  # Debian 13 renamed it (64-bit time_t)
+    if apt-cache show libcurl4t64 >/dev/null 2>&1; then need_debs+=(libcurl4t64); else need_debs+=(libcurl4); fi
+  fi
+  echo "bootstrap: installing Debian packages: ${need_debs[*]}" >&2
+  # (sudo resets the environment: the variable goes through env.)
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_debs[@]}" >/dev/null
 fi
 
 stamp=$VENV/.hicache-installed
 want=$(cat pyproject.toml | sha1sum | cut -d' ' -f1)
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+# A missing, broken (a dangling interpreter link) or other-Python .venv is made anew.
+py_version='import sys; print(*sys.version_info[:2])'
+if [ "$("$VENV/bin/python" -c "$py_version" 2>/dev/null)" != "$("$PY" -c "$py_version")" ]; then
+  "$PY" -m venv --clear "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing Python packages into .venv" >&2

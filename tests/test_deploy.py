@@ -521,7 +521,7 @@ def test_env_file_documents_every_mooncake_variable() -> None:
 def test_dockerfile_base_libs_user_and_entrypoint() -> None:
     assert dockerfile("FROM") == ["python:3.11-slim"]
     apt = " ".join(a for a in dockerfile("RUN") if "apt-get install" in a).split()
-    assert {"libibverbs1", "librdmacm1", "libnuma1"} <= set(apt)
+    assert {"libibverbs1", "librdmacm1", "libnuma1", "libcurl4"} <= set(apt)  # Mooncake's
     (user,) = dockerfile("USER")
     uid, _, gid = user.partition(":")
     assert int(uid) == pod_spec()["securityContext"]["runAsUser"] != 0

@@ -111,3 +111,33 @@ def test_a_flood_of_give_ups_is_logged_once_per_interval(caplog: pytest.LogCaptu
     warnings = [r for r in caplog.records if "giving up" in r.getMessage()]
     assert len(warnings) == 1 and "write-through-0" in warnings[0].getMessage()
     assert len(gave_up) == 200 and worker.failures == 200 and len(attempts) == 200
+
+
+def test_closing_waits_once_for_every_thread_not_five_seconds_each(tmp_path, monkeypatch) -> None:
+    """Close used to give each of its threads 5 s in turn: with a hung store (every worker
+    in an L3 call) a stop took 5 s a thread, past the bound the deploy files' stop
+    timeouts are checked against. Now one deadline (`close_wait_s`) covers them all."""
+    import threading
+    import time
+
+    from engine_sim import tiny_config
+
+    from hicache.controller import controller as controller_mod
+    from hicache.controller.workers import Job
+
+    monkeypatch.setattr(controller_mod, "CLOSE_WAIT_S", 0.2)
+    cfg = tiny_config(tmp_path, storage__timeout_s=0.3)
+    ctl = controller_mod.build_controller(cfg, f"closewait{int(time.time() * 1000) % 100000}")
+    hung = threading.Event()
+    workers = (ctl.transfers.copy_worker, ctl.transfers.backup_worker,
+               ctl.prefetcher.worker, ctl.prefetcher.l1_worker)
+    try:
+        for worker in workers:
+            assert worker.submit(Job("hung L3 call", lambda: hung.wait(30), lambda _e: None))
+        start = time.monotonic()
+        ctl.close()
+        took = time.monotonic() - start
+    finally:
+        hung.set()
+    assert controller_mod.close_wait_s(cfg) == 0.5
+    assert took < 3.0, took  # four threads x 5 s before

@@ -73,7 +73,7 @@ class MooncakeBackend(StorageBackend):
             raise BackendUnavailable(
                 "mooncake: cannot import mooncake.store; install the "
                 "'mooncake-transfer-engine-non-cuda' wheel (or the CUDA build on a GPU node) "
-                f"and Debian's libibverbs1 librdmacm1 libnuma1 ({e})"
+                f"and Debian's libibverbs1 librdmacm1 libnuma1 libcurl4 ({e})"
             ) from None
         c = self.cfg
         log.info(
