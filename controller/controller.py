@@ -211,8 +211,11 @@ class HybridCacheController(CacheService):
                 self.counters["leases_expired"] += 1
                 self.counters["lease_released_locks"] += locks
                 self.counters["lease_released_allocations"] += allocs
-                log.warning("engine %s: lease lapsed; released %d locks, %d allocations",
-                            engine.engine_id, locks, allocs)
+                # A client that closes stops heartbeating (the API has no detach): a lapse
+                # holding nothing is that, not an engine that died mid-request.
+                log.log(logging.WARNING if locks or allocs else logging.INFO,
+                        "engine %s: lease lapsed; released %d locks, %d allocations",
+                        engine.engine_id, locks, allocs)
             return len(gone)
 
     def _release_engine(self, engine: Engine) -> tuple[int, int]:

@@ -75,6 +75,10 @@ def describe(cfg: HicacheConfig) -> str:
 
 
 
+class UsageError(Exception):
+    """Command-line options that cannot go together: exit 2, like argparse's own errors."""
+
+
 def _address(value: str) -> str:
     """--target: a malformed address is a usage error (exit 2), not an unhealthy daemon."""
     try:
@@ -165,6 +169,8 @@ def _ca(args: argparse.Namespace) -> bytes | None:
     config that serves TLS) that config's own certificate, which a self-signed daemon
     needs; None leaves the system's roots (or plaintext where TLS is not used)."""
     path = args.ca_file
+    if path is not None and parse_address(_target(args)).is_unix:
+        raise UsageError("--ca-file is for a TLS daemon on a TCP address; a unix socket is never TLS")
     if path is None and args.target is None:
         server = load_config(args.config).server
         if not parse_address(server.listen).is_unix:  # TLS is for TCP only
@@ -280,6 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except ConfigError as e:
         print(f"hicache: configuration error: {e}", file=sys.stderr)
+        return 2
+    except UsageError as e:  # options that contradict each other (argparse cannot tell)
+        print(f"hicache: {e}", file=sys.stderr)
         return 2
     except HicacheError as e:
         print(f"hicache: {e}", file=sys.stderr)

@@ -94,6 +94,7 @@ os.register_at_fork(after_in_child=_new_instance_id)
 
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
+FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
 
 # Batch ops that are safe to send again (the daemon answers a repeat the same way, or
 # NotFound for a handle the first attempt released).
@@ -171,6 +172,10 @@ class Client:
         self._admin = apb_grpc.AdminStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._heartbeat_stop = threading.Event()
+        # Set to wake the heartbeat thread: to stop, or to wait the interval of a lease an
+        # attach() changed (from now: the attach renewed the lease).
+        self._heartbeat_wake = threading.Event()
+        self._heartbeat_interval_s = 0.0
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_mu = threading.Lock()
         self._attaches = 0  # successful attach() calls: a heartbeat answer older than one is moot
@@ -187,7 +192,7 @@ class Client:
         return _INSTANCE_ID
 
     def _call(self, fn: Callable[..., T], request: Any, *, repeatable: bool = False,
-              released_ok: bool = False) -> T:
+              released_ok: bool = False, timeout_s: float | None = None) -> T:
         """One RPC. `repeatable`: retried on UNAVAILABLE (with `released_ok`, a NotFound
         after a retry means the attempt before it released the handle: done). Otherwise
         sent once, after `_reach` when the connection failed last time: a call that may
@@ -197,7 +202,7 @@ class Client:
             if not self._reached:
                 self._reach()
             try:
-                out = fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 if e.code() in RETRYABLE:
                     self._reached = False
@@ -206,7 +211,7 @@ class Client:
             return out
         for attempt in range(self.retries + 1):
             try:
-                out = fn(request, metadata=self._metadata, timeout=self.timeout_s)
+                out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
                 self._reached = True
                 return out
             except grpc.RpcError as e:
@@ -241,6 +246,7 @@ class Client:
 
     def close(self) -> None:
         self._heartbeat_stop.set()
+        self._heartbeat_wake.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
         self._channel.close()
@@ -276,8 +282,13 @@ class Client:
         with self._heartbeat_mu:
             self._attaches += 1
             self.detached = None
+            interval_s = info.lease_ms / 3e3
+            changed = interval_s != self._heartbeat_interval_s
+            self._heartbeat_interval_s = interval_s  # (a restarted daemon's lease may differ)
             if self._heartbeat_thread is None:  # (a detached one cleared itself first)
-                self._start_heartbeat(info.lease_ms / 3e3)
+                self._start_heartbeat()
+            elif changed:
+                self._heartbeat_wake.set()
         return Attachment(info=info, pools=pools)
 
     def heartbeat(self) -> HeartbeatInfo:
@@ -288,10 +299,17 @@ class Client:
                        repeatable=True)
         )
 
-    def _start_heartbeat(self, interval_s: float) -> None:
+    def _start_heartbeat(self) -> None:
         def loop() -> None:
             failing = False
-            while not self._heartbeat_stop.wait(interval_s):
+            while True:
+                interval_s = self._heartbeat_interval_s
+                woken = self._heartbeat_wake.wait(interval_s)
+                if self._heartbeat_stop.is_set():
+                    return
+                if woken:  # a new lease: its interval, from now
+                    self._heartbeat_wake.clear()
+                    continue
                 attaches = self._attaches
                 try:
                     self.heartbeat()
@@ -452,8 +470,11 @@ class Client:
 
     @contextmanager
     def allocation(self, num_tokens: int, namespace: str = "", **kwargs: Any) -> Iterator[AllocationInfo]:
+        """`allocate`; on exit releases the allocation if an `insert` did not consume it.
+        Growing one (`allocation_id=`) releases nothing: it belongs to whoever made it."""
         a = self.allocate(num_tokens, namespace, **kwargs)
-        with self._released_on_exit(allocation_id=a.allocation_id):
+        made = 0 if kwargs.get("allocation_id") is not None else a.allocation_id
+        with self._released_on_exit(allocation_id=made):
             yield a
 
     @contextmanager
@@ -467,17 +488,28 @@ class Client:
                 self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
             except HicacheError as e:
                 log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
+            except Exception as e:
+                # The device sync before the release failed too (a CUDA fault stays set):
+                # nothing more runs on that device, so the release goes without it rather
+                # than leave the handles held for the process's life.
+                log.warning("synchronizing before releasing lock %d / allocation %d failed "
+                            "(%s); releasing without it", lock_id, allocation_id, e)
+                try:
+                    self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
+                except HicacheError as e2:
+                    log.warning("releasing lock %d / allocation %d failed: %s", lock_id,
+                                allocation_id, e2)
             raise
         self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
 
-    def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0) -> None:
+    def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0, sync: Sync = True) -> None:
         """Release what is still held, both handles in one call (each its own op, so one
         failing leaves the other released); handles an Insert consumed are fine."""
         ops = ([release_op(lock_id=lock_id)] if lock_id else []) + (
             [release_op(allocation_id=allocation_id)] if allocation_id else [])
         if not ops:
             return
-        for result in self.batch(ops):
+        for result in self.batch(ops, sync=sync):
             if isinstance(result, HicacheError) and not isinstance(result, NotFound):
                 raise result
 
@@ -492,8 +524,10 @@ class Client:
         )
 
     def flush(self, timeout_s: float = 0.0) -> int:
+        """Write everything pending down to L3, waiting up to `timeout_s` (0: the daemon's
+        `server.shutdown_flush_s`); the call itself waits that long and a little more."""
         r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)),
-                       repeatable=True)
+                       repeatable=True, timeout_s=max(self.timeout_s, timeout_s + FLUSH_SLACK_S))
         return int(r.pages_written)
 
     def serving(self, service: str = "") -> bool:

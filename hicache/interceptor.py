@@ -133,6 +133,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
             if isinstance(request, _Undecodable):
                 raise InvalidArgument(request.message)
             yield
+        except GeneratorExit:  # a server stream its caller cancelled (or left)
+            code = "CANCELLED"
+            raise
         except Exception as exc:
             status, message = op_status(exc, label)
             code = status.name

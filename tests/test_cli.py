@@ -138,3 +138,15 @@ def test_a_wildcard_listen_address_is_dialled_on_loopback(tmp_path, listen: str,
     cfg = tmp_path / "h.yaml"
     cfg.write_text(f"server: {{listen: '{listen}'}}\n")
     assert _target(argparse.Namespace(target=None, config=str(cfg))) == dialled
+
+
+def test_a_ca_file_for_a_unix_socket_is_a_usage_error(tmp_path, capsys) -> None:
+    """TLS is for TCP: --ca-file with a unix socket target contradicts itself (exit 2, a
+    usage error), where it used to read as an unhealthy daemon (exit 1)."""
+    from hicache.cli import main
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not used")
+    for command in ("health", "stats"):
+        assert main([command, "--target", f"unix://{tmp_path}/d.sock", "--ca-file", str(ca)]) == 2
+        assert "a unix socket is never TLS" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hicache.auth import ANONYMOUS, Authenticator
 from hicache.client import Client, insert_op, match_op, release_op
 from hicache.client_errors import error_for, op_error
 from hicache.config import TokenConfig, load_config
-from hicache.controller.base import PoolUsage, StatsSnapshot
+from hicache.controller.base import AllocateRequest, PoolUsage, StatsSnapshot
 from hicache.controller.controller import build_controller
 from hicache.endpoint import parse_address
 from hicache.interceptor import status_of
@@ -452,3 +453,47 @@ def test_a_late_batch_fails_only_when_it_made_handles_to_release() -> None:
     with pytest.raises(errors.DeadlineExceeded, match="were released"):
         servicer.Batch(matches, _LateContext())
     assert released == [(5, None), (None, 6)]
+
+
+def test_a_server_stream_its_caller_cancels_is_measured_as_cancelled() -> None:
+    """A cancelled Load ends its handler's generator with GeneratorExit, which the
+    interceptor's `except Exception` let through: the RPC was measured as OK."""
+    from hicache.interceptor import ServerInterceptor
+
+    observed: list[tuple[str, str]] = []
+
+    class Metrics:
+        def observe(self, method: str, code: str, seconds: float) -> None:
+            observed.append((method, code))
+
+    def load(_request: object, _context: object) -> Iterator[int]:
+        yield from range(10)
+
+    wrapped = ServerInterceptor(Authenticator(()), Metrics())._wrap(  # type: ignore[arg-type]
+        "/hicache.v1.HiCache/Load", grpc.unary_stream_rpc_method_handler(load))
+    stream = wrapped.unary_stream(object(), None)
+    assert next(stream) == 0
+    stream.close()  # what gRPC does when the caller cancels
+    assert observed == [("hicache.v1.HiCache/Load", "CANCELLED")]
+    assert list(wrapped.unary_stream(object(), None)) == list(range(10))
+    assert observed[-1] == ("hicache.v1.HiCache/Load", "OK")
+
+
+def test_a_lapsed_lease_that_held_nothing_is_not_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that closes stops heartbeating (there is no detach call): its lapse used
+    to be logged as a WARNING like an engine that died holding locks."""
+    cfg = load_config(None, [*TINY, "server.lease_ms=1"], env={})
+    ctl = build_controller(cfg, f"lapse{os.getpid()}_{next(_instances)}")
+    try:
+        ctl.attach("closed-cleanly", 0, 1)
+        ctl.attach("died-holding", 0, 1)
+        ctl.allocate("died-holding", AllocateRequest("", 16))
+        time.sleep(0.01)
+        with caplog.at_level(logging.INFO, logger="hicache.controller"):
+            assert ctl.expire_leases() == 2
+        levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records
+                  if "lease lapsed" in r.getMessage()}
+        assert levels == {"engine closed-cleanly": "INFO", "engine died-holding": "WARNING"}
+        assert ctl.counters["leases_expired"] == 2 and ctl.counters["lease_released_allocations"] == 1
+    finally:
+        ctl.close()
