@@ -925,11 +925,15 @@ class Transfers:
             op.done = True
             return
         sent = 0
+        # The last layer is reported by the final message, with the pages: a progress
+        # message of all layers (the last landed, the copy not yet done) would read as
+        # the final one, without pages, to the engine.
+        last = op.layers_total - 1
         while True:
             with op.cond:
-                while op.layers_ready == sent and not op.done:
+                while min(op.layers_ready, last) == sent and not op.done:
                     op.cond.wait(1.0)
-                ready, done = op.layers_ready, op.done
+                ready, done = min(op.layers_ready, last), op.done
             if op.error is not None:
                 break
             if done:

@@ -121,6 +121,35 @@ def test_load_reports_layers_before_the_next_is_copied(make) -> None:
     ctl.release("e1", m.lock_id, None)
 
 
+def test_only_the_final_load_message_reports_every_layer(make, monkeypatch) -> None:
+    """The last layer landed, the copy not yet done: the stream used to send a message of
+    all layers then, which an engine reads as the final one (it carries no pages: the
+    client makes it device_pages={} and device_tokens=0). Only the final message says so."""
+    ctl, eng, m, _gate = matched_in_l2_with_gated_load(make)
+    _gate.set()
+    real = ctl.transfers.copy_to_l1
+    landed, finish = threading.Event(), threading.Event()
+
+    def copy_then_linger(moves, on_layer):  # type: ignore[no-untyped-def]
+        real(moves, on_layer)  # every layer reported
+        landed.set()
+        assert finish.wait(10)  # ... before the copy is done
+
+    monkeypatch.setattr(ctl.transfers, "copy_to_l1", copy_then_linger)
+    messages: list = []
+    reader = threading.Thread(target=lambda: messages.extend(ctl.load("e1", m.lock_id)))
+    reader.start()
+    assert landed.wait(10)
+    time.sleep(0.2)  # the stream's chance to send what it would
+    finish.set()
+    reader.join(10)
+    *progress, final = messages
+    assert all(p.layers_ready < p.layers_total and p.device_pages is None for p in progress)
+    assert final.layers_ready == final.layers_total and final.device_tokens == 16
+    eng.verify(final.device_pages, seq(4), 4)
+    ctl.release("e1", m.lock_id, None)
+
+
 def test_a_load_stream_abandoned_midway_still_lands_and_leaks_nothing(make) -> None:
     ctl, eng, m, gate = matched_in_l2_with_gated_load(make)
     stream = ctl.load("e1", m.lock_id)
