@@ -44,7 +44,7 @@ MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
 L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header ...
-L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (tiers.sizing checks both)
+L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (as tiers.sizing's: a test checks)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
@@ -518,7 +518,7 @@ class HicacheConfig:
     def max_reply_bytes(self) -> int:
         """The largest reply one call can need: a MatchPrefix listing the matched and the
         allocated pages of every member (4 bytes a page id), no more pages than a request's
-        tokens or an L1 pool hold. (A Batch's reply holds each op's.)"""
+        tokens or an L1 pool hold. (A Batch's reply holds the replies of all its ops.)"""
         pages = min(-(-self.server.max_tokens_per_request // self.model.page_size),
                     max(self.l1_pages, self.tiers.l1.mamba_slots))
         return 2 * len(self.model.members) * 4 * pages + MESSAGE_SLACK_BYTES
