@@ -512,13 +512,10 @@ class HybridCacheController(CacheService):
         pages: dict[ComponentKind, np.ndarray] = {}
         if alloc is not None:
             # Checked whether or not the insert takes pages from it: committing consumes the
-            # allocation up to `begin`, and another request's lock would move it backwards
-            # (its owner's next Insert would then commit each page at the wrong position).
-            if alloc.lock_id is not None and req.lock_id != alloc.lock_id:
-                raise InvalidArgument(
-                    f"allocation {req.allocation_id} belongs to the match of lock "
-                    f"{alloc.lock_id}; this insert gives lock {req.lock_id}"
-                )
+            # allocation up to `begin`, and a lock ending before the allocation's first page
+            # (another request's) would move it backwards: its owner's next Insert would
+            # then commit each page at the wrong position. (A later, deeper match of the
+            # same request may commit it: the pages before its end go as loaded instead.)
             lo = begin - alloc.start_page
             have = len(alloc.pages[self._paged[0]])
             if lo < 0 or (need > 0 and lo + need > have):

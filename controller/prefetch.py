@@ -34,7 +34,10 @@ from hicache.tree import TreeLock
 from hicache.types import ComponentKind, PrefetchPolicy, Tier
 
 if TYPE_CHECKING:
+    from hicache.config import MemberSpec
     from hicache.controller.controller import HybridCacheController
+    from hicache.controller.storage_io import L3Store
+    from hicache.controller.transfers import Transfers
 
 log = logging.getLogger("hicache.controller.prefetch")
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
@@ -74,7 +77,7 @@ class PrefetchOp:
     # Its worker is done with it (`_finish_locked`): a cancel or a timeout ends `state`
     # first, while the worker still holds its pages (mutex).
     finished: bool = False
-    writes_wait_until: float | None = None  # the end of its `WRITES_WAIT_S` (`_wait_left`)
+    waited_s: float = 0.0  # spent waiting for writes in flight so far (`_wait_left`)
 
     def info(self) -> PrefetchInfo:
         with self.mu:
@@ -248,7 +251,14 @@ class Prefetcher:
         waiting (mutex released) while writes in flight hold L2 pages, at most
         `_wait_left`. False: gave up (or cancelled)."""
         transfers = self.ctl.transfers
-        give_up = time.monotonic() + self._wait_left(op)
+        start = time.monotonic()
+        give_up = start + self._wait_left(op)
+        try:
+            return self._reserve_until(op, transfers, give_up)
+        finally:
+            op.waited_s += time.monotonic() - start
+
+    def _reserve_until(self, op: PrefetchOp, transfers: Transfers, give_up: float) -> bool:
         with self.ctl._mu:
             while True:
                 if op.cancelled:
@@ -294,8 +304,7 @@ class Prefetcher:
                         skip[:] = -1
                     if lo >= hi:
                         continue
-                    n = l3.read(op.namespace, op.hashes[lo:hi], members, op.host[kind][lo:hi],
-                                wait_s=self._wait_left(op))
+                    n = self._read(l3, op, op.hashes[lo:hi], members, op.host[kind][lo:hi])
                     if kind is FULL:
                         got = min(got, n)
                     elif n < hi - lo:
@@ -305,8 +314,7 @@ class Prefetcher:
                 last = done + got == total
                 if got and last and MAMBA in op.host:
                     mamba = cfg.model.family(MAMBA)
-                    if not l3.read(op.namespace, op.hashes[total - 1 : total], mamba, op.host[MAMBA],
-                                   wait_s=self._wait_left(op)):
+                    if not self._read(l3, op, op.hashes[total - 1 : total], mamba, op.host[MAMBA]):
                         got -= 1  # no checkpoint at the end: the boundary stops a page earlier
                         last = False
                 if got > 0:
@@ -325,21 +333,31 @@ class Prefetcher:
                 self._hold_until_returned(op, e.pending)
         self._finish(op, outcome)
 
+    def _read(self, l3: L3Store, op: PrefetchOp, hashes: list[bytes],
+              members: tuple[MemberSpec, ...], host_ids: np.ndarray) -> int:
+        """`l3.read` of pages of the op, after waiting for their writes in flight (at most
+        `_wait_left`; the time spent is the op's)."""
+        left = self._wait_left(op)
+        if left > 0 and l3.writing_any():
+            start = time.monotonic()
+            try:
+                l3.wait_written(op.namespace, hashes, members, left)
+            finally:
+                op.waited_s += time.monotonic() - start
+        return l3.read(op.namespace, hashes, members, host_ids)
+
     @staticmethod
     def _wait_left(op: PrefetchOp) -> float:
         """How long the op may still wait for writes in flight (the lookup that started it
-        counted their pages as present): `WRITES_WAIT_S` for the whole op, from its first
-        wait, not per read (a batch reads FULL, SWA and a checkpoint apart, and each got 5
-        s: 15 s for one batch, the one prefetch worker held up meanwhile); less after its
-        deadline; none once cancelled."""
+        counted their pages as present): what is left of `WRITES_WAIT_S` for the whole op,
+        counting only time spent waiting (each read got 5 s of its own: 15 s for one
+        hybrid batch, which reads FULL, SWA and a checkpoint apart, the one prefetch worker
+        held up meanwhile); less after its deadline; none once cancelled."""
         if op.cancelled:
             return 0.0
-        now = time.monotonic()
-        if op.writes_wait_until is None:
-            op.writes_wait_until = now + WRITES_WAIT_S
-        left = op.writes_wait_until - now
+        left = WRITES_WAIT_S - op.waited_s
         if op.deadline is not None:
-            left = min(left, op.deadline - now)
+            left = min(left, op.deadline - time.monotonic())
         return max(0.0, left)
 
     def _hold_until_returned(self, op: PrefetchOp, pending: list[Any]) -> None:

@@ -105,6 +105,10 @@ class L3Store:
                 start += 1
         return start
 
+    def writing_any(self) -> bool:
+        """Whether any write is in flight (a read then may have something to wait for)."""
+        return bool(self._writing)
+
     def wait_written(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
                      timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until no write in flight covers these pages; False

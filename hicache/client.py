@@ -525,7 +525,8 @@ class Client:
 
     def flush(self, timeout_s: float = 0.0) -> int:
         """Write everything pending down to L3, waiting up to `timeout_s` (0: the daemon's
-        `server.shutdown_flush_s`); the call itself waits that long and a little more."""
+        `server.shutdown_flush_s`, which this side does not know: the call then waits up to
+        the client's `timeout_s`); else the call waits that long and a little more."""
         r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)),
                        repeatable=True, timeout_s=max(self.timeout_s, timeout_s + FLUSH_SLACK_S))
         return int(r.pages_written)

@@ -42,8 +42,8 @@ def health_report(target: str, deep: bool, token: str | None = None,
         except Unauthenticated as e:
             # The per-backend report needs a token; the standard check (NOT_SERVING while a
             # required backend is down) stands for the daemon, as for a kubelet probe.
-            report["note"] = (f"backends not reported: {e}; give --token-file "
-                              f"(the status above needs no token)")
+            report["note"] = (f"backends not reported: {e}; their report needs a valid "
+                              f"--token-file (the status above needs none)")
             return report, EXIT_OK if serving else EXIT_UNHEALTHY
         except Unavailable as e:  # it answered the check just now: a backend hangs
             report["error"] = f"the daemon answered, its backend report did not: {e}"

@@ -157,6 +157,11 @@ def sweep_dead_instances(shm_dir: Path = SHM_DIR, keep: str = "") -> list[str]:
         instance = lock_path.name[len(SEGMENT_PREFIX) : -len(".lock")]
         if instance == keep or not _INSTANCE_RE.fullmatch(instance):
             continue
+        # Only an instance with segments to sweep is locked: another file named alike (a
+        # unix socket's own lock file, `hicache-<name>.sock.lock`, when the socket lives in
+        # /dev/shm) is never touched.
+        if not any(shm_dir.glob(f"{SEGMENT_PREFIX}{instance}-*")):
+            continue
         try:
             lock = InstanceLock(instance, shm_dir)
         except FailedPrecondition:

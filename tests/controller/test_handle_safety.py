@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import evict_all, seq
+from engine_sim import Engine, evict_all, seq
 
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
 from hicache.controller.engines import AllocationRecord, EngineRegistry
@@ -604,7 +604,8 @@ def test_a_write_refused_by_the_read_breaker_keeps_the_write_breakers_probe(make
 def test_an_insert_pairing_an_allocation_with_another_requests_lock_changes_nothing(make) -> None:
     """Request 1's allocation sent with request 2's lock (which needs no new pages) used to
     be accepted and move the allocation's start back a page: request 1's own Insert then
-    committed each of its pages one position off (wrong KV served to later requests)."""
+    committed each of its pages one position off (wrong KV served to later requests). An
+    insert may not start before its allocation's first page."""
     ctl = make(storage__backend="none")
     ctl.attach("e", 0, 1)
     cached = seq(2)
@@ -613,10 +614,10 @@ def test_an_insert_pairing_an_allocation_with_another_requests_lock_changes_noth
     prompt = cached + seq(4, 100)  # 6 pages, the first 2 cached
     m1 = ctl.match("e", MatchRequest("", prompt, lock=True, allocate_tokens=24))
     m2 = ctl.match("e", MatchRequest("", seq(1), lock=True))  # another request's lock
-    with pytest.raises(InvalidArgument, match=f"belongs to the match of lock {m1.lock_id}"):
+    with pytest.raises(InvalidArgument, match=r"covers token pages \[2, 6\); insert needs \[1, 1\)"):
         ctl.insert("e", InsertRequest("", seq(1), lock_id=m2.lock_id,
                                       allocation_id=m1.allocation_id, keep_lock=True))
-    with pytest.raises(InvalidArgument, match=f"belongs to the match of lock {m1.lock_id}"):
+    with pytest.raises(InvalidArgument, match=r"covers token pages \[2, 6\); insert needs \[0, 2\)"):
         ctl.insert("e", InsertRequest("", cached, allocation_id=m1.allocation_id))  # no lock
     assert ctl.heartbeat("e").locks == 2 and ctl.heartbeat("e").allocations == 1
     ctl.insert("e", InsertRequest("", prompt, lock_id=m1.lock_id, allocation_id=m1.allocation_id))
@@ -674,4 +675,25 @@ def test_a_handle_sent_as_0_is_not_found_and_changes_nothing(make, call: str) ->
     assert ctl.heartbeat("e").locks == 1 and ctl.heartbeat("e").allocations == 1
     ctl.insert("e", InsertRequest("", prompt, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert ctl.match("e", MatchRequest("", prompt)).device_tokens == 8
+    ctl.check_integrity()
+
+
+def test_a_request_that_matched_again_deeper_commits_its_allocation_under_the_new_lock(make) -> None:
+    """An engine waited (for a prefetch, or another request filling the prefix), released
+    its lock and matched again, deeper: its first allocation commits under the new lock,
+    the pages before the new match's end going as loaded instead."""
+    ctl = make(storage__backend="none")
+    ctl.attach("e1", 0, 1)
+    tokens = seq(4)
+    first = ctl.match("e1", MatchRequest("", tokens, lock=True, allocate_tokens=16))
+    other = Engine(ctl, engine_id="e2")
+    other.request(seq(2))  # another request commits the prefix meanwhile
+    ctl.release("e1", first.lock_id, None)
+    again = ctl.match("e1", MatchRequest("", tokens, lock=True))
+    assert again.device_tokens == 8
+    out = ctl.insert("e1", InsertRequest("", tokens, lock_id=again.lock_id,
+                                         allocation_id=first.allocation_id))
+    assert (out.inserted_tokens, out.reused_tokens) == (8, 8)
+    assert ctl.heartbeat("e1").locks == 0 and ctl.heartbeat("e1").allocations == 0
+    assert ctl.match("e1", MatchRequest("", tokens)).device_tokens == 16
     ctl.check_integrity()

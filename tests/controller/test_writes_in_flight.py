@@ -225,3 +225,48 @@ def test_a_prefetch_waits_for_writes_in_flight_once_not_per_read(make, monkeypat
     assert waits and sum(waits) <= 0.3 + 1e-6, waits  # it was 0.3 for each of three reads
     assert ctl.transfers.drain(10)
     ctl.check_integrity()
+
+
+def test_slow_reads_do_not_spend_the_wait_for_writes_in_flight(make, monkeypatch) -> None:
+    """The op's budget for waiting on writes in flight counts time spent waiting only: a
+    long prefetch on a slow store whose last page is still being written gets its wait.
+    (A budget counted from the first read left that read none: FAILED, 12 of 16 tokens.)"""
+    import hicache.controller.prefetch as pf
+
+    monkeypatch.setattr(pf, "WRITES_WAIT_S", 1.0)
+    monkeypatch.setattr(pf, "BATCH_PAGES", 1)
+    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    eng.request(seq(3))
+    assert ctl.transfers.drain(10)  # pages 1-3 in L3
+    backend = ctl.l3.backend
+    real_write, real_get = backend._write_from, backend.get_into
+    gate, writing = threading.Event(), threading.Event()
+
+    def held_write(keys, buffers):  # type: ignore[no-untyped-def]
+        writing.set()
+        assert gate.wait(10)
+        return real_write(keys, buffers)
+
+    def slow_get(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_get(*args, **kwargs)
+        time.sleep(0.3)  # the store answers late
+        return out
+
+    monkeypatch.setattr(backend, "_write_from", held_write)
+    eng.request(seq(4))
+    assert writing.wait(10)  # page 4's write is in flight
+    _out_of_l1_and_l2(ctl)
+    monkeypatch.setattr(backend, "get_into", slow_get)
+    lands = threading.Timer(1.2, gate.set)  # after the three slow reads, within the wait
+    lands.start()
+    try:
+        m = ctl.match("e1", MatchRequest("", seq(4), lock=True, prefetch=True))
+        assert m.storage_tokens == 16
+        assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+        assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 16
+        ctl.release("e1", m.lock_id, None)
+    finally:
+        gate.set()
+        lands.cancel()
+    assert ctl.transfers.drain(10)

@@ -163,7 +163,7 @@ def test_health_without_the_token_goes_by_the_standard_check(secured: tuple[Daem
     for deep in (False, True):
         report, rc = health_report(d.target, deep)
         assert rc == EXIT_OK and report["serving"] is True, report
-        assert "give --token-file" in report["note"] and "error" not in report
+        assert "needs a valid --token-file" in report["note"] and "error" not in report
     assert main(["health", "--target", d.target]) == 0
     assert "backends not reported" in capsys.readouterr().out
     report, rc = health_report(d.target, True, token=TENANT_A)

@@ -323,6 +323,25 @@ def test_another_users_instance_is_a_clear_refusal(tmp_path: Path, monkeypatch: 
     assert segment.exists()
 
 
+def test_a_sweep_never_touches_a_lock_file_without_segments(tmp_path: Path) -> None:
+    """A unix socket in /dev/shm named hicache-<x>.sock has its own lock file,
+    hicache-<x>.sock.lock, alike an instance's: a sweep used to lock and unlink it, and
+    its daemon (between opening and locking it) then held a file no one else would find."""
+    from hicache.endpoint import SocketLock
+    from hicache.tiers import device
+
+    socket_lock = tmp_path / "hicache-engine0.sock.lock"
+    socket_lock.write_text("")  # left by a daemon that stopped cleanly
+    inode = socket_lock.stat().st_ino
+    assert device.sweep_dead_instances(tmp_path, keep="other") == []
+    assert socket_lock.exists() and socket_lock.stat().st_ino == inode
+    first = SocketLock(tmp_path / "hicache-engine0.sock")
+    first.acquire()
+    with pytest.raises(FailedPrecondition):
+        SocketLock(tmp_path / "hicache-engine0.sock").acquire()
+    first.release()
+
+
 def test_instance_names_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="letters, digits"):
         cleanup_stale_segments("a-b")
