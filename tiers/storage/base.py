@@ -391,7 +391,7 @@ class StorageBackend(abc.ABC):
             future = self._submit(len(chunks) == 1, self._read_into, keys[lo:hi], buffers[lo:hi])
             if previous is not None:
                 sizes.extend(verified(keys[previous[0] :], buffers[previous[0] :], previous[1]))
-            previous = (lo, future.result())
+            previous = (lo, self._result(future))
         if previous is not None:
             sizes.extend(verified(keys[previous[0] :], buffers[previous[0] :], previous[1]))
         return sizes
@@ -410,10 +410,12 @@ class StorageBackend(abc.ABC):
         for lo, hi in chunks:
             write_headers(buffers[lo:hi], keys[lo:hi])
             if future is not None:
-                results.extend(future.result())
+                done: list[PutStatus] = self._result(future)
+                results += done
             future = self._submit(len(chunks) == 1, self._write_from, keys[lo:hi], buffers[lo:hi])
         if future is not None:
-            results.extend(future.result())
+            last: list[PutStatus] = self._result(future)
+            results += last
         return results
 
     @abc.abstractmethod
@@ -463,6 +465,21 @@ class StorageBackend(abc.ABC):
         except Exception as e:
             done.set_exception(e)
         return done
+
+    def _result(self, future: cf.Future[_R]) -> _R:
+        """A pipelined hook's result. The hook bounds its own time once it runs; the time it
+        waits for a free pipeline thread (a pool the whole process shares) is bounded here:
+        one still queued after `timeout_s` is cancelled, so it never runs (nor writes into
+        buffers the caller has let go of)."""
+        try:
+            return future.result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            if future.cancel():
+                raise BackendUnavailable(
+                    f"{self.name}: no pipeline thread free within {self.timeout_s:g} s "
+                    "(storage.timeout_s)"
+                ) from None
+            return future.result()  # running: bounded by the hook
 
     def _guarded(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:

@@ -17,8 +17,11 @@ Return codes of the client, measured here (0.3.13.post1, TCP, master on loopback
   wrong bytes).
 - Master killed: `health_check()` still returns 0 for a while (it answers from cached
   state), batch calls return -900 RPC_FAIL at once or block 4-13 s first; `setup()` against
-  a missing master blocks ~90 s; `close()` blocks ~7 s. All calls release the GIL, so they
-  run in `BoundedCaller` threads under `storage.timeout_s`.
+  a missing master blocks ~90 s; `close()` blocks ~7 s. The transfer calls release the GIL,
+  so they run in `BoundedCaller` threads under `storage.timeout_s`; `setup()` does not (the
+  whole process froze for those 90 s, the bound's timer included), so `start` first checks,
+  within `storage.timeout_s`, that the master and an HTTP metadata server accept a
+  connection.
 - Master restarted on the same port: the client reconnects by itself within ~1 s (the first
   put may return -200 NO_AVAILABLE_HANDLE before its segment is mounted again); objects
   held only in the old master's metadata are gone.
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import socket
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +81,13 @@ class MooncakeBackend(StorageBackend):
                 f"and Debian's libibverbs1 librdmacm1 libnuma1 libcurl4 ({e})"
             ) from None
         c = self.cfg
+        master = _host_port(c.master or "")
+        if master is not None and not _loopback(master[0]) and _loopback(c.local_hostname):
+            log.warning("mooncake: local_hostname %s with the master at %s: other nodes cannot "
+                        "read the objects this node's segment holds; set "
+                        "storage.mooncake.local_hostname to an address they reach",
+                        c.local_hostname, c.master)
+        self._check_reachable()
         log.info(
             "L3 mooncake backend: master=%s metadata_server=%s protocol=%s device=%r "
             "local_hostname=%s global_segment_size=%d local_buffer_size=%d timeout_s=%g",
@@ -103,6 +115,25 @@ class MooncakeBackend(StorageBackend):
             raise BackendUnavailable(f"mooncake: setup() returned {rc} (master {c.master})")
         self._store = store
         self.register_host_buffer(self._canary_area.ctypes.data, self._canary_area.nbytes)
+
+    def _check_reachable(self) -> None:
+        """BackendUnavailable, within `timeout_s`, when the master or an HTTP metadata
+        server does not accept a TCP connection (`setup` would hold the GIL ~90 s)."""
+        c = self.cfg
+        targets = [("master", c.master, _host_port(c.master or ""))]
+        if (c.metadata_server or "").startswith(("http://", "https://")):
+            url = urllib.parse.urlsplit(c.metadata_server or "")
+            port = url.port or (443 if url.scheme == "https" else 80)
+            targets.append(("metadata server", c.metadata_server, (url.hostname or "", port)))
+        for what, shown, address in targets:
+            if address is None or not address[0]:
+                continue  # (a form this check cannot read: setup decides)
+            try:
+                socket.create_connection(address, timeout=self.timeout_s).close()
+            except OSError as e:
+                raise BackendUnavailable(
+                    f"mooncake: the {what} {shown} does not accept connections ({e})"
+                ) from None
 
     def close(self) -> None:
         store, self._store = self._store, None
@@ -279,3 +310,15 @@ def _raise_if_unreachable(op: str, codes: Sequence[int]) -> None:
     bad = [code for code in codes if code in UNREACHABLE]
     if bad:
         raise BackendUnavailable(f"mooncake: {op} failed with {bad[0]} (master unreachable)")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """`host:port` (IPv6 as `[addr]:port`) as a socket address; None for another form."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

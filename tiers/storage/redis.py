@@ -236,10 +236,18 @@ def _unavailable(e: Exception) -> BackendUnavailable:
 
 
 def _redact(url: str) -> str:
-    """The URL without a password."""
+    """The URL without its credentials: `user:password@`, and a `password=` (or
+    `username=`) query parameter, which redis-py takes too."""
     scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, q, query = rest.partition("?")
     _, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url
+    if q:
+        params = [p if p.split("=", 1)[0].lower() not in ("password", "username") else
+                  f"{p.split('=', 1)[0]}=***" for p in query.split("&")]
+        host = f"{host}?{'&'.join(params)}"
+    return f"{scheme}{sep}{'***@' if at else ''}{host}"
 
 
 __all__ = ["RedisBackend"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -124,3 +125,45 @@ def test_two_nodes_share_objects(
         assert node_b.put_from(ks, src.slots()) == [PutStatus.PRESENT] * 4
         node_b.close()
         node_a.close()
+
+
+@pytest.mark.parametrize("down", ["master", "metadata server"])
+def test_mooncake_without_its_master_fails_fast_and_leaves_the_process_running(
+    down: str, mooncake_factory: Callable[[], MooncakeMaster]
+) -> None:
+    """Mooncake's setup() holds the GIL while it tries a master that is not there (~90 s
+    here): the whole daemon froze, the call's own timeout included, at every start and
+    every reconnect attempt. The backend now first checks that the master (and an HTTP
+    metadata server) accept a connection, within storage.timeout_s."""
+    from hicache.bench.services import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
+    master = mooncake_factory()
+    cfg = storage_config(
+        StorageBackendName.MOONCAKE,
+        timeout_s=TIMEOUT_S,
+        mooncake_master=nobody if down == "master" else master.master,
+        mooncake_metadata=(master.metadata_server if down == "master"
+                           else f"http://{nobody}/metadata"),
+    )
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable, match=f"the {down} .* does not accept connections"):
+        build_backend(cfg)
+    assert time.monotonic() - start < TIMEOUT_S + SLACK_S  # (it was ~90 s, GIL held)
+
+
+def test_mooncake_warns_when_other_nodes_cannot_reach_this_nodes_segment(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A remote master with local_hostname left at 127.0.0.1: objects in this node's
+    segment are out of every other node's reach. Said at start (the master being down
+    here, the start then fails fast)."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
+    from hicache.bench.services import free_port
+
+    cfg = storage_config(StorageBackendName.MOONCAKE, timeout_s=0.5,
+                         mooncake_master=f"192.0.2.1:{free_port()}",  # (TEST-NET-1: no host)
+                         mooncake_metadata="P2PHANDSHAKE")
+    with caplog.at_level(logging.WARNING), pytest.raises(BackendUnavailable, match="the master"):
+        build_backend(cfg)
+    assert "other nodes cannot read" in caplog.text

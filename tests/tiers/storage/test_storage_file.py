@@ -530,3 +530,32 @@ def test_parallel_writers_each_make_room_counting_the_others(tmp_path: Path, mon
     assert backend.used_bytes == cap * OBJECT
     assert sum(n.endswith(".kv") for _, _, names in os.walk(tmp_path) for n in names) == cap
     backend.close()
+
+
+def test_a_pipelined_call_waits_for_a_free_pipeline_thread_within_the_timeout(tmp_path: Path) -> None:
+    """Batches over one chunk go to a pool of pipeline threads the whole process shares;
+    the time a chunk waited there for a free thread was not bounded (16 callers of a stuck
+    store: one took 2x storage.timeout_s). A chunk still queued at the timeout is
+    cancelled (it never runs, nor writes into the caller's buffers)."""
+    import threading
+
+    from hicache.tiers.storage import base
+
+    backend = FileBackend(FileStorageConfig(path=str(tmp_path)), timeout_s=0.5)
+    backend.start()
+    n = 2 * FileBackend.pipeline_chunk  # two chunks: pipelined
+    ks, src, dst = keys(n), Pool(n, seed=1), Pool(n, seed=None)
+    assert backend.put_from(ks, src.slots()) == [PutStatus.STORED] * n
+    hold = threading.Event()
+    busy = [base._PIPELINE.submit(hold.wait, 10) for _ in range(base._PIPELINE._max_workers)]
+    try:
+        start = time.monotonic()
+        with pytest.raises(BackendUnavailable, match=r"no pipeline thread free within 0\.5 s"):
+            backend.get_into(ks, dst.slots())
+        assert time.monotonic() - start < 5.0
+    finally:
+        hold.set()
+        for future in busy:
+            future.result(10)
+    assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * n
+    backend.close()

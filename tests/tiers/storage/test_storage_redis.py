@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
+import pytest
 import redis
 from storage_pages import Pool, keys, storage_config
 
@@ -48,6 +50,29 @@ def test_a_user_without_info_starts_and_reports_healthy(redis_server: RedisServe
     finally:
         backend.close()
         admin.acl_deluser("hicache-limited")
+
+
+def test_a_password_in_the_urls_query_never_reaches_health_or_the_log(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """redis-py takes `?password=` as well as `user:password@`: only the latter was hidden
+    in the start-up log line and in the health report's detail."""
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.acl_setuser("hicache-query", enabled=True, passwords=["+query-secret-1"],
+                      keys=["*"], commands=["+@all"])
+    url = f"{redis_server.url}?username=hicache-query&password=query-secret-1"
+    try:
+        with caplog.at_level(logging.INFO):
+            backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=url))
+        try:
+            health = backend.health(deep=True)
+            assert health.healthy, health.detail
+            assert "query-secret-1" not in health.detail and "password=***" in health.detail
+            assert "query-secret-1" not in caplog.text
+        finally:
+            backend.close()
+    finally:
+        admin.acl_deluser("hicache-query")
 
 
 def test_a_full_store_refuses_a_repeated_key_as_failed_not_present(redis_server: RedisServer) -> None:
