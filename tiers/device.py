@@ -148,8 +148,9 @@ def cleanup_stale_segments(instance: str, shm_dir: Path = SHM_DIR,
 
 
 def sweep_dead_instances(shm_dir: Path = SHM_DIR, keep: str = "") -> list[str]:
-    """Unlink the segments (and the lock file) of every instance but `keep` whose lock
-    nobody holds: its daemon is dead. Returns the segments' names. An instance a live
+    """Unlink the segments (and then the lock file) of every instance but `keep` that has
+    segments and whose lock nobody holds: its daemon is dead. (A lock file without
+    segments is left alone: it may be another file named alike.) Returns the segments' names. An instance a live
     daemon holds is left alone, and one whose files this user may not remove is skipped
     (logged): the sweep never fails a start."""
     removed: list[str] = []

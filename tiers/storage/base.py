@@ -475,6 +475,8 @@ class StorageBackend(abc.ABC):
             return future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
             if future.cancel():
+                with self._counter_lock:  # (counted as `_guarded` counts a hook's)
+                    self._counters.unavailable += 1
                 raise BackendUnavailable(
                     f"{self.name}: no pipeline thread free within {self.timeout_s:g} s "
                     "(storage.timeout_s)"

@@ -19,9 +19,9 @@ Return codes of the client, measured here (0.3.13.post1, TCP, master on loopback
   state), batch calls return -900 RPC_FAIL at once or block 4-13 s first; `setup()` against
   a missing master blocks ~90 s; `close()` blocks ~7 s. The transfer calls release the GIL,
   so they run in `BoundedCaller` threads under `storage.timeout_s`; `setup()` does not (the
-  whole process froze for those 90 s, the bound's timer included), so `start` first checks,
-  within `storage.timeout_s`, that the master and an HTTP metadata server accept a
-  connection.
+  whole process froze for those 90 s, the bound's timer included), so `start` first checks
+  that the master and an HTTP metadata server accept a connection (`storage.timeout_s` per
+  address tried).
 - Master restarted on the same port: the client reconnects by itself within ~1 s (the first
   put may return -200 NO_AVAILABLE_HANDLE before its segment is mounted again); objects
   held only in the old master's metadata are gone.
@@ -117,13 +117,20 @@ class MooncakeBackend(StorageBackend):
         self.register_host_buffer(self._canary_area.ctypes.data, self._canary_area.nbytes)
 
     def _check_reachable(self) -> None:
-        """BackendUnavailable, within `timeout_s`, when the master or an HTTP metadata
-        server does not accept a TCP connection (`setup` would hold the GIL ~90 s)."""
+        """BackendUnavailable when the master or an HTTP metadata server does not accept a
+        TCP connection (`setup` would hold the GIL ~90 s): within `timeout_s` for each
+        address tried (a name may resolve to several; resolving it is not bounded), with
+        the GIL free meanwhile. An HA master (`etcd://...`) is left to `setup`."""
         c = self.cfg
         targets = [("master", c.master, _host_port(c.master or ""))]
         if (c.metadata_server or "").startswith(("http://", "https://")):
             url = urllib.parse.urlsplit(c.metadata_server or "")
-            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                port = url.port or (443 if url.scheme == "https" else 80)
+            except ValueError as e:  # a port that is no number, or out of range
+                raise BackendUnavailable(
+                    f"mooncake: the metadata server {c.metadata_server} is not a valid URL ({e})"
+                ) from None
             targets.append(("metadata server", c.metadata_server, (url.hostname or "", port)))
         for what, shown, address in targets:
             if address is None or not address[0]:
@@ -313,7 +320,10 @@ def _raise_if_unreachable(op: str, codes: Sequence[int]) -> None:
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
-    """`host:port` (IPv6 as `[addr]:port`) as a socket address; None for another form."""
+    """`host:port` (IPv6 as `[addr]:port`) as a socket address; None for another form (an
+    HA master as `etcd://h1:2379;h2:2379`, which Mooncake resolves through etcd)."""
+    if "://" in address or ";" in address or "," in address:
+        return None
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
         return None

@@ -13,6 +13,7 @@ error for one key (e.g. OOM under `maxmemory`) is `PutStatus.FAILED` for that ke
 from __future__ import annotations
 
 import logging
+import urllib.parse
 from collections.abc import Sequence
 
 import numpy as np
@@ -244,8 +245,9 @@ def _redact(url: str) -> str:
     rest, q, query = rest.partition("?")
     _, at, host = rest.rpartition("@")
     if q:
-        params = [p if p.split("=", 1)[0].lower() not in ("password", "username") else
-                  f"{p.split('=', 1)[0]}=***" for p in query.split("&")]
+        params = [p if urllib.parse.unquote(p.split("=", 1)[0]).lower()
+                  not in ("password", "username") else f"{p.split('=', 1)[0]}=***"
+                  for p in query.split("&")]
         host = f"{host}?{'&'.join(params)}"
     return f"{scheme}{sep}{'***@' if at else ''}{host}"
 

@@ -167,3 +167,19 @@ def test_mooncake_warns_when_other_nodes_cannot_reach_this_nodes_segment(
     with caplog.at_level(logging.WARNING), pytest.raises(BackendUnavailable, match="the master"):
         build_backend(cfg)
     assert "other nodes cannot read" in caplog.text
+
+
+def test_mooncake_addresses_the_reachability_check_cannot_read_are_left_to_setup() -> None:
+    """An HA master (`etcd://h1:2379;h2:2379`) is resolved by Mooncake through etcd: the
+    check misread it as a host and refused every start. A metadata URL with a bad port
+    is an unavailable backend (a traceback at start before)."""
+    from hicache.tiers.storage.mooncake import _host_port
+
+    assert _host_port("etcd://10.0.0.1:2379;10.0.0.2:2379") is None
+    assert _host_port("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert _host_port("[::1]:50051") == ("::1", 50051)
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed")
+    cfg = storage_config(StorageBackendName.MOONCAKE, timeout_s=0.5,
+                         mooncake_master="127.0.0.1:1", mooncake_metadata="http://127.0.0.1:abc/metadata")
+    with pytest.raises(BackendUnavailable, match="is not a valid URL"):
+        build_backend(cfg)

@@ -552,6 +552,7 @@ def test_a_pipelined_call_waits_for_a_free_pipeline_thread_within_the_timeout(tm
         start = time.monotonic()
         with pytest.raises(BackendUnavailable, match=r"no pipeline thread free within 0\.5 s"):
             backend.get_into(ks, dst.slots())
+        assert backend.stats().unavailable == 1
         assert time.monotonic() - start < 5.0
     finally:
         hold.set()
