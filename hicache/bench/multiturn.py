@@ -314,7 +314,7 @@ def _collect(q: Any, args: argparse.Namespace, name: str, engines: int) -> RunFi
 
 def _table(name: str, f: RunFigures) -> str:
     lines = [f"== {name}: {f.wall_s:.1f} s, {f.effective_input_tokens_per_s:,.0f} prompt tokens/s, "
-             f"{f.pages_checked} pages checked, {f.wrong_bytes} wrong bytes",
+             f"{f.pages_checked} page-layers checked, {f.wrong_bytes} wrong bytes",
              f"{'round':>5} {'hit':>7} {'device':>7} {'host':>7} {'storage':>8} {'ceiling':>8} {'of ceil':>8} {'ttft ms':>8}"]
     for r in f.rounds:
         frac = r.hit_rate / r.ceiling if r.ceiling else 1.0

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from hicache.config import MemberSpec
 from hicache.controller.base import AttachInfo
 from hicache.keys import chain_hashes, chain_seed, split_hashes
 from hicache.types import ComponentKind
@@ -22,8 +23,11 @@ class KvOracle:
         self.pools = pools
         self.page_size = info.page_size
         self.seed = chain_seed(namespace, "oracle", "")
-        self.pages_checked = 0
+        self.pages_checked = 0  # (counted per page and layer, and per member)
         self.wrong_bytes = 0
+        # Pages the reply should have listed and did not (each counted as wrong bytes too,
+        # a whole row per layer): a short or missing list would otherwise be checked less.
+        self.pages_missing = 0
 
     def _hashes(self, tokens: bytes) -> list[bytes]:
         blob = chain_hashes(self.seed, tokens, self.page_size * 4)
@@ -31,10 +35,13 @@ class KvOracle:
 
     @staticmethod
     def _expected(keys: list[bytes], tag: bytes, width: int) -> np.ndarray:
+        """Each page's row: its digest repeated, plus each byte's position (so a row moved
+        by a multiple of the digest's 32 bytes reads wrong too)."""
         digests = b"".join(hashlib.sha256(k + tag).digest() for k in keys)
         rows = np.frombuffer(digests, dtype=np.uint8).reshape(len(keys), 32)
         reps = -(-width // 32)
-        return np.tile(rows, (1, reps))[:, :width]
+        position = (np.arange(width) // 32 % 251).astype(np.uint8)
+        return np.tile(rows, (1, reps))[:, :width] + position
 
     def _rows(self, member: str, layer: int) -> np.ndarray:
         return self.pools[member][layer].numpy()
@@ -56,16 +63,33 @@ class KvOracle:
                 if n > 0:
                     rows[ids[:n]] = self._expected(hs[start_page:], tag, rows.shape[1])
 
+    def _missing(self, m: MemberSpec, ids: np.ndarray, n_pages: int) -> int:
+        """Pages of member `m` a reuse of `n_pages` must list and `ids` lacks: every page
+        (FULL and its sidecars), the window before the boundary (SWA: earlier ones may be
+        -1), the checkpoint at the boundary (MAMBA)."""
+        if m.component is ComponentKind.MAMBA:
+            return 0 if len(ids) else 1
+        listed = ids[:n_pages]
+        if m.component is ComponentKind.SWA and m.window_tokens:
+            need = min(n_pages, -(-m.window_tokens // self.page_size))
+            window = listed[-need:] if len(listed) == n_pages else listed[:0]
+            return need - int((window >= 0).sum())
+        return n_pages - int((listed >= 0).sum())
+
     def verify(self, tokens: bytes, pages: Mapping[str, np.ndarray], n_pages: int) -> None:
         """Check the first `n_pages` reused pages (SWA tombstones, -1, are skipped) and the
-        checkpoint at the boundary; counts pages checked and wrong bytes."""
+        checkpoint at the boundary; counts page-layers checked and wrong bytes (a page the
+        reply should list and does not counts as wrong: `_missing`)."""
         if n_pages == 0:
             return
         hs = self._hashes(tokens)[:n_pages]
         for m in self.info.members:
             ids = np.asarray(pages.get(m.name, np.empty(0)), dtype=np.int64)
+            missing = self._missing(m, ids, n_pages)
             for layer in range(m.layers):
                 rows = self._rows(m.name, layer)
+                self.pages_missing += missing
+                self.wrong_bytes += missing * rows.shape[1]
                 tag = m.name.encode() + bytes([layer])
                 if m.component is ComponentKind.MAMBA:
                     if len(ids):
