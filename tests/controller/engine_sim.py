@@ -200,3 +200,11 @@ class Engine:
                                                      mamba_checkpoint=checkpoint))
         assert out.inserted_tokens + out.reused_tokens == total_pages * self.ps
         return m
+
+
+def flushed(ctl, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Flush, then check `tokens`' pages are recorded in L3 (a flush returns the pages it
+    wrote itself, none when write-through already did: no check)."""
+    ctl.flush(10)
+    pages = len(tokens) // (4 * ctl.cfg.model.page_size)
+    assert ctl.tree.resident_pages(Tier.STORAGE, ComponentKind.FULL) >= pages

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine_sim import Engine, evict_all, seq, wait_prefetch
+from engine_sim import Engine, evict_all, flushed, seq, wait_prefetch
 
 import hicache.controller.prefetch as pf
 from hicache.controller.base import MatchRequest, PrefetchState
@@ -21,7 +21,7 @@ def _checkpoint_only_in_l3(ctl, eng: Engine, tokens: bytes) -> None:
     """`tokens` computed, then out of L1, then its MAMBA checkpoint out of L2 alone: the
     tree holds FULL and SWA in L2, the checkpoint only in L3."""
     eng.request(tokens)
-    assert ctl.flush(10) >= 0
+    flushed(ctl, tokens)
     evict_all(ctl, Tier.DEVICE)
     with ctl._mu:
         ctl.transfers._evict(Tier.HOST, MAMBA, 1)
@@ -57,7 +57,7 @@ def test_a_prefetch_never_continues_from_a_node_its_own_reservation_evicted(make
     ctl = make(hybrid=True, **THROUGH)
     eng = Engine(ctl)
     eng.request(seq(12))
-    assert ctl.flush(10) >= 0
+    flushed(ctl, seq(12))
     evict_all(ctl, Tier.DEVICE, Tier.HOST)  # seq(12) only in L3
     _checkpoint_only_in_l3(ctl, eng, seq(8))
     with ctl._mu:  # every free L2 page held by someone else (other requests' reservations)
@@ -125,7 +125,7 @@ def test_l3_pages_beyond_the_tree_are_fetched_when_l3_lost_the_trees_own_part(
     ctl = make(hybrid=True, **THROUGH)
     eng = Engine(ctl)
     eng.request(seq(12))  # L3: pages 0-11, checkpoint at 12
-    assert ctl.flush(10) >= 0
+    flushed(ctl, seq(12))
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
     _checkpoint_only_in_l3(ctl, eng, seq(8))  # tree: pages 0-7 in L2, checkpoint at 8 in L3
     for key in ctl.l3.keys("", eng.hashes(seq(12))[:1], ctl.cfg.model.family(FULL)):

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, seq, wait_prefetch
+from engine_sim import Engine, evict_all, flushed, seq, wait_prefetch
 
 from hicache.controller.base import MatchRequest, PrefetchState
 from hicache.errors import BackendUnavailable
@@ -81,7 +81,7 @@ def test_a_prefetch_finding_l2_full_of_pages_writes_hold_waits_for_them(make) ->
     eng = Engine(ctl)
     wanted, other = seq(8), seq(8, base=10_000)
     eng.request(wanted)
-    assert ctl.flush(10) >= 0
+    flushed(ctl, wanted)
     evict_all(ctl, Tier.DEVICE, Tier.HOST)  # `wanted` only in L3
     gate = Gate(ctl.l3.backend)
     eng.request(other)
@@ -116,7 +116,7 @@ def test_a_deferred_prefetch_gives_up_when_no_room_comes_and_leaks_nothing(make,
     eng = Engine(ctl)
     wanted = seq(8)
     eng.request(wanted)
-    assert ctl.flush(10) >= 0
+    flushed(ctl, wanted)
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
     gate = Gate(ctl.l3.backend)
     eng.request(seq(8, base=10_000))

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache.client import match_op
 from hicache.controller.base import MatchOutcome
-from hicache.errors import HicacheError, PermissionDenied, Unauthenticated
+from hicache.errors import HicacheError, NotFound, PermissionDenied, Unauthenticated
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
@@ -85,8 +85,12 @@ def test_another_token_naming_the_same_engine_reaches_none_of_its_handles(
             other.heartbeat()  # not attached under this token
         other.attach(map_pools=False)  # a namesake of its own, with nothing held
         assert other.heartbeat().locks == 0
-        with pytest.raises(HicacheError):
+        with pytest.raises(NotFound, match=f"lock {m.lock_id} is unknown"):
             other.release(lock_id=m.lock_id)
+        with pytest.raises(NotFound, match=f"allocation {m.allocation_id} is unknown"):
+            other.release(allocation_id=m.allocation_id)
+        with pytest.raises(NotFound, match=f"allocation {m.allocation_id} is unknown"):
+            other.allocate(PAGE, "a", allocation_id=m.allocation_id)  # nor grow it
         hb = a.heartbeat()
         assert (hb.locks, hb.allocations) == (1, 1)
         a.insert(prompt, "a", lock_id=m.lock_id, allocation_id=m.allocation_id)
