@@ -339,7 +339,7 @@ class HybridCacheController(CacheService):
                     assert m.lock is not None
                     alloc_id, alloc_pages = self._new_allocation(
                         engine_id, req.namespace, max(0, req.allocate_tokens - m.device_tokens),
-                        lock_id, start,
+                        start,
                     )
                 # `base` (the storage boundary) lies beyond the lock when a hybrid model's
                 # window or checkpoint is only in L3: an eviction while the mutex was free
@@ -412,7 +412,7 @@ class HybridCacheController(CacheService):
             raise
         return got, slot
 
-    def _new_allocation(self, engine_id: str, namespace: str, tokens: int, lock_id: int | None,
+    def _new_allocation(self, engine_id: str, namespace: str, tokens: int,
                         start: Callable[[], tuple[int, np.ndarray | None]],
                         made_for: Engine | None = None) -> tuple[int, PagesByMember]:
         """A new allocation of `tokens`. Allocating may wait for queued copies with the
@@ -433,7 +433,7 @@ class HybridCacheController(CacheService):
             except BaseException:  # (the copy engine's error): nobody would free them
                 self._free_allocation(AllocationRecord(engine_id, namespace, 0, pages, slot))
                 raise
-        record = AllocationRecord(engine_id, namespace, start_page, pages, slot, lock_id)
+        record = AllocationRecord(engine_id, namespace, start_page, pages, slot)
         try:
             alloc_id = self._engines.add_allocation(record, made_for)
         except BaseException:  # the engine's lease lapsed meanwhile: nobody would free them
@@ -479,7 +479,7 @@ class HybridCacheController(CacheService):
                 return self.tree.depth_tokens(lock.device_end) // self._ps, checkpoint
 
             alloc_id, pages = self._new_allocation(
-                engine_id, req.namespace, req.num_tokens, req.lock_id, start, engine
+                engine_id, req.namespace, req.num_tokens, start, engine
             )
             return AllocationInfo(alloc_id, pages)
 

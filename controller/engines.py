@@ -40,7 +40,6 @@ class AllocationRecord:
     start_page: int  # token page the first page id stands for
     pages: dict[ComponentKind, np.ndarray]  # per-page components, in token order
     mamba_slot: int | None  # the request's working state (copy-on-write target)
-    lock_id: int | None = None
     # Pages a keep_lock Insert did not commit (the tree held those tokens already) that
     # the running request still reads its KV from: freed with the allocation, not before.
     retired: dict[ComponentKind, list[np.ndarray]] = field(default_factory=dict)

@@ -168,12 +168,11 @@ class L3Store:
         return self.present_run(namespace, [page_hash], members) == 1
 
     def read(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
-             host_ids: np.ndarray, wait_s: float = 0.0) -> int:
+             host_ids: np.ndarray) -> int:
         """Read pages (whole families) into the host slots `host_ids` (one per page);
-        returns how many leading pages arrived intact. With `wait_s`, writes in flight of
-        these pages land first (at most that long). Raises BackendUnavailable."""
-        if wait_s > 0 and self._writing:
-            self.wait_written(namespace, hashes, members, wait_s)
+        returns how many leading pages arrived intact (a caller that counted writes in
+        flight as present waits for them first: `wait_written`). Raises
+        BackendUnavailable."""
         keys, statuses = self._transfer(L3Op.GET, self.backend.get_into, namespace, hashes,
                                         members, host_ids)
         per = len(members)

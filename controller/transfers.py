@@ -962,8 +962,7 @@ class Transfers:
         self.drain(max(0.0, deadline - time.monotonic()))
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
-                if self._missing_in_host(node):  # (any slot L1 holds and L2 lacks)
-                    self.backup_to_host(node)
+                self.backup_to_host(node)  # (any slot L1 holds and L2 lacks; else nothing)
                 if kinds := self.tree.slots_for_storage(node):
                     self.backup_to_storage(node, kinds)
         self.drain(max(0.0, deadline - time.monotonic()))

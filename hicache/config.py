@@ -43,8 +43,9 @@ GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
-L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header ...
-L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (as tiers.sizing's: a test checks)
+L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header (a test
+# checks it is the object format's HEADER_BYTES, which lives with the storage code) ...
+L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (and an int64 boundary)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
@@ -552,15 +553,8 @@ class HicacheConfig:
         l2 = self.tiers.l2
         if l2.size_gb is None:
             return ratio_of(l1_pages, l2.ratio)
-        per_page = sum(self.l2_slot_bytes(m) for m in self.model.members)
+        per_page = sum(l2_slot_bytes(m, self.host_layout) for m in self.model.members)
         return max(1, int(l2.size_gb * GiB) // per_page)
-
-    def l2_slot_bytes(self, spec: MemberSpec) -> int:
-        """Bytes one page of `spec` takes in L2: header and payload padded to a cache line
-        (`page_first`, the layout of L3 objects), or the payload (`layer_first`)."""
-        if self.host_layout is HostLayout.PAGE_FIRST:
-            return -(-(L2_PAGE_HEADER_BYTES + spec.bytes_per_page) // L2_SLOT_ALIGN) * L2_SLOT_ALIGN
-        return spec.bytes_per_page
 
     def pages_for(self, kind: ComponentKind) -> int:
         """L1 pool size (in pages or slots) of a component."""
@@ -794,6 +788,15 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a string, got {_show(value, shown)}{hint}")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
+
+
+def l2_slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:
+    """Bytes one page of `spec` takes in L2: header and payload padded to a cache line
+    (`page_first`, the layout of L3 objects), or the payload (`layer_first`, where a page's
+    layers are apart). The one rule: the host pools lay out by it (`tiers.sizing`)."""
+    if layout is HostLayout.PAGE_FIRST:
+        return -(-(L2_PAGE_HEADER_BYTES + spec.bytes_per_page) // L2_SLOT_ALIGN) * L2_SLOT_ALIGN
+    return spec.bytes_per_page
 
 
 def ratio_of(count: int, ratio: float) -> int:

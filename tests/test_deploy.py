@@ -372,11 +372,11 @@ def test_grace_period_exceeds_the_longest_stop() -> None:
 def test_memory_limit_covers_l2_and_the_mooncake_segment() -> None:
     """L2 as the host pools size it (a page_first slot's header and padding too) and the
     segment lent to Mooncake. (L1 is on the GPU: the DaemonSet runs on GPU nodes.)"""
-    from hicache.tiers.sizing import host_pages
+    from hicache.tiers.sizing import host_pages, slot_bytes
 
     cfg, _ = daemon_config()
     pages = host_pages(cfg)
-    l2_bytes = sum(pages[m.component] * cfg.l2_slot_bytes(m) for m in cfg.model.members)
+    l2_bytes = sum(pages[m.component] * slot_bytes(m, cfg.host_layout) for m in cfg.model.members)
     lent = cfg.storage.mooncake.global_segment_size + cfg.storage.mooncake.local_buffer_size
     limit = quantity_bytes(daemon()["resources"]["limits"]["memory"])
     assert limit >= l2_bytes + lent, (limit, l2_bytes, lent)

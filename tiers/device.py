@@ -87,9 +87,10 @@ class InstanceLock:
                     f"daemon instance {instance!r} is already served by a live daemon (it "
                     f"holds {self.path}); stop it or pick another instance name"
                 ) from None
-            # A holder unlinks the file when it releases: the one locked here may be that
-            # unlinked file (opened just before), which nobody else will ever find. Held
-            # only when it is still the file at the path; else try the path's new one.
+            # A holder unlinks the file when it releases (a daemon leaves nothing in
+            # /dev/shm; `SocketLock` keeps its file instead, beside the socket): the one
+            # locked here may be that unlinked file (opened just before), which nobody else
+            # will ever find. Held only when it is still the file at the path.
             if _same_file(fd, self.path):
                 break
             os.close(fd)

@@ -9,12 +9,13 @@ pages. A page's L2 slot is its header and payload rounded up to a cache line
 
 from __future__ import annotations
 
-from hicache.config import HicacheConfig, MemberSpec, ratio_of
-from hicache.tiers.storage.integrity import HEADER_BYTES
-from hicache.types import ComponentKind, HostLayout
+from hicache.config import L2_SLOT_ALIGN, HicacheConfig, l2_slot_bytes, ratio_of
+from hicache.types import ComponentKind
 
-SLOT_ALIGN = 64  # page_first slots start on a cache line (and an int64 boundary)
-# (`hicache.config` sizes a `size_gb` budget with copies of these two: a test checks them)
+SLOT_ALIGN = L2_SLOT_ALIGN  # page_first slots start on a cache line (and an int64 boundary)
+# Bytes one page of a member takes in L2: the configuration's rule, which also splits a
+# `size_gb` budget (one rule for both).
+slot_bytes = l2_slot_bytes
 
 
 def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
@@ -29,15 +30,6 @@ def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
         else:
             out[kind] = token_pages
     return out
-
-
-def slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:
-    """Bytes one page of `spec` takes in L2: header + payload padded (`page_first`), or the
-    payload (`layer_first`, where a page's layers are apart). The configuration sizes a
-    `size_gb` budget by the same rule (`HicacheConfig.l2_slot_bytes`)."""
-    if layout is HostLayout.PAGE_FIRST:
-        return round_up(HEADER_BYTES + spec.bytes_per_page, SLOT_ALIGN)
-    return spec.bytes_per_page
 
 
 def round_up(value: int, to: int) -> int:

@@ -793,23 +793,31 @@ def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_
     assert ctl.close_session("s") == 0  # recently closed: a no-op
 
 
-def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(make) -> None:
+def prompts_in_l3_with_held_reads(make, n: int) -> tuple:  # type: ignore[no-untyped-def]
+    """(controller, `n` prompts only in L3, gate, reading): the controller keeps one finished
+    prefetch; its L3 reads wait for `gate` (`reading` is set when one starts)."""
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
-    prompts = [seq(2, 1000 * (i + 1)) for i in range(3)]
+    prompts = [seq(2, 1000 * (i + 1)) for i in range(n)]
     for tokens in prompts:
         eng.request(tokens)
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
     ctl.prefetcher._keep = 1
-    gate = threading.Event()
+    gate, reading = threading.Event(), threading.Event()
     backend = ctl.l3.backend
     real = backend._read_into
 
-    def held(keys, buffers):
+    def held(keys, buffers):  # type: ignore[no-untyped-def]
+        reading.set()
         assert gate.wait(10)
         return real(keys, buffers)
 
     backend._read_into = held  # type: ignore[method-assign]
+    return ctl, prompts, gate, reading
+
+
+def test_finished_prefetches_are_forgotten_oldest_first_but_never_a_running_one(make) -> None:
+    ctl, prompts, gate, _ = prompts_in_l3_with_held_reads(make, 3)
     try:
         a = ctl.match("e1", MatchRequest("", prompts[0], lock=True, prefetch=True))
         b = ctl.match("e1", MatchRequest("", prompts[1], lock=True, prefetch=True))
@@ -832,23 +840,7 @@ def test_a_cancelled_prefetch_whose_worker_still_runs_is_not_forgotten(make) -> 
     """Cancelling ends a prefetch's state at once, while its worker still holds the L2
     pages it reserved. Such an op was forgotten like a finished one: its status became
     NotFound and the page audit saw its pages as leaked until the worker returned."""
-    ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
-    eng = Engine(ctl)
-    prompts = [seq(2, 1000 * (i + 1)) for i in range(2)]
-    for tokens in prompts:
-        eng.request(tokens)
-    evict_all(ctl, Tier.DEVICE, Tier.HOST)
-    ctl.prefetcher._keep = 1
-    gate, reading = threading.Event(), threading.Event()
-    backend = ctl.l3.backend
-    real = backend._read_into
-
-    def held(keys, buffers):
-        reading.set()
-        assert gate.wait(10)
-        return real(keys, buffers)
-
-    backend._read_into = held  # type: ignore[method-assign]
+    ctl, prompts, gate, reading = prompts_in_l3_with_held_reads(make, 2)
     try:
         a = ctl.match("e1", MatchRequest("", prompts[0], lock=True, prefetch=True))
         assert reading.wait(10)

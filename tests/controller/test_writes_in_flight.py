@@ -166,7 +166,7 @@ def test_writes_given_up_or_dropped_are_no_longer_in_flight(make, how: str) -> N
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 0
 
 
-def test_a_read_waits_for_a_write_in_flight_at_most_its_wait(make) -> None:
+def test_a_wait_for_a_write_in_flight_ends_when_it_lands_or_times_out(make) -> None:
     ctl = make()
     l3 = ctl.l3
     eng = Engine(ctl)
@@ -182,8 +182,9 @@ def test_a_read_waits_for_a_write_in_flight_at_most_its_wait(make) -> None:
     try:
         threading.Timer(0.1, l3.end_write, args=(writing,)).start()
         t0 = time.monotonic()
-        assert l3.read("", hashes[:2], members, ids, wait_s=5) == 0  # never stored: a miss
+        assert l3.wait_written("", hashes[:2], members, 5)  # until the write ends ...
         assert 0.05 <= time.monotonic() - t0 < 4
+        assert l3.read("", hashes[:2], members, ids) == 0  # ... never stored: a miss
     finally:
         with ctl._mu:
             ctl.transfers.free_l2(FULL, ids)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from hicache.config import MooncakeStorageConfig
+from hicache.endpoint import split_host_port
 from hicache.errors import BackendUnavailable, InvalidArgument
 from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
 from hicache.tiers.storage.integrity import write_headers
@@ -320,14 +321,11 @@ def _raise_if_unreachable(op: str, codes: Sequence[int]) -> None:
 
 
 def _host_port(address: str) -> tuple[str, int] | None:
-    """`host:port` (IPv6 as `[addr]:port`) as a socket address; None for another form (an
-    HA master as `etcd://h1:2379;h2:2379`, which Mooncake resolves through etcd)."""
-    if "://" in address or ";" in address or "," in address:
-        return None
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None
-    return host.strip("[]"), int(port)
+    """`host:port` (IPv6 as `[addr]:port`) as a socket address, by the daemon's own rule
+    (`split_host_port`); None for another form (an HA master as `etcd://h1:2379;h2:2379`,
+    which Mooncake resolves through etcd)."""
+    host_port = split_host_port(address)
+    return None if host_port is None else (host_port[0].strip("[]"), host_port[1])
 
 
 def _loopback(host: str) -> bool:
