@@ -788,7 +788,8 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
         for k in cfg.model.component_kinds
     }
     tree = HiRadixTree(cfg.model.page_size, kinds, cfg.eviction.policy, cfg.model.id,
-                       cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones)
+                       cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones,
+                       cfg.model.geometry)
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None
     copier: CopyEngine | None = None

@@ -52,6 +52,9 @@ def describe(cfg: HicacheConfig) -> str:
     lines.append(f"l1_pages: {l1} ({l1 * cfg.model.page_size} tokens)")
     lines.append(f"l2_pages: {l2} ({l2 * cfg.model.page_size} tokens)")
     lines.append(f"host_layout: {cfg.host_layout.value}")
+    # What seeds every L3 key: daemons sharing an L3 must print the same line to share pages.
+    lines.append(f"l3_key_seed: model={cfg.model.id} kv_dtype={cfg.model.kv_dtype} "
+                 f"geometry={cfg.model.geometry}")
     from hicache.tiers.sizing import host_pages, slot_bytes  # (no torch: config check stays quick)
 
     l2_of = host_pages(cfg)

@@ -194,6 +194,17 @@ class ModelConfig:
                 )
         return tuple(out)
 
+    @functools.cached_property
+    def geometry(self) -> str:
+        """The KV geometry as one canonical string (page size; each pool's component,
+        layers, bytes per page per layer and window), part of every page hash's seed with
+        `id` and `kv_dtype`: daemons that differ in it never share L3 objects."""
+        pools = ";".join(
+            f"{m.name}={m.component.value}:{m.layers}x{m.bytes_per_page_per_layer}w{m.window_tokens}"
+            for m in self.members
+        )
+        return f"page{self.page_size};{pools}"
+
     def _page_bytes(self, kind: ComponentKind, per_token: int, state: int) -> int:
         return state if kind is ComponentKind.MAMBA else per_token * self.page_size
 

@@ -1,7 +1,8 @@
 """Chained page hashes and the L3 key format (DESIGN §2).
 
 A page's hash is SHA-256 (truncated to 16 bytes) over the previous page's hash and this
-page's token bytes, seeded at the root of the chain by (namespace, model id, KV dtype). Two
+page's token bytes, seeded at the root of the chain by (namespace, model id, KV dtype, KV
+geometry: `ModelConfig.geometry`). Two
 daemons that computed the same prefix therefore derive the same keys, and any change
 earlier in the prefix changes every later key. SHA-256 is used, not a faster
 non-cryptographic hash, because a crafted collision would serve one request another's KV:
@@ -17,14 +18,19 @@ from collections.abc import Sequence
 from hicache.types import PageHash
 
 PAGE_HASH_BYTES = 16
-LAYOUT_VERSION = 1
-_SEED_TAG = b"hicache-chain-v1\0"
+# 2: the seed binds the KV geometry (version 1's keys did not: two daemons with one model id
+# and another geometry of equal page size shared, and misread, each other's objects).
+LAYOUT_VERSION = 2
+_SEED_TAG = b"hicache-chain-v2\0"
 
 
-def chain_seed(namespace: str, model_id: str, kv_dtype: str) -> PageHash:
-    """The hash that precedes the first page of every sequence in this namespace."""
+def chain_seed(namespace: str, model_id: str, kv_dtype: str, geometry: str) -> PageHash:
+    """The hash that precedes the first page of every sequence in this namespace.
+    `geometry`: the layers and bytes of every pool (`ModelConfig.geometry`): an L3 object's
+    header checks its key and payload size only, and two layouts of equal size would
+    otherwise share keys (a page read back in the other layout is wrong KV, not a miss)."""
     h = hashlib.sha256(_SEED_TAG)
-    for part in (namespace, model_id, kv_dtype):
+    for part in (namespace, model_id, kv_dtype, geometry):
         data = part.encode()
         h.update(len(data).to_bytes(4, "little"))
         h.update(data)
@@ -80,8 +86,8 @@ def storage_keys(
 ) -> list[str]:
     """The L3 object keys of these pages, page-major (page 0's members, then page 1's...).
 
-    A key is `hc1/<ns-tag>/<model>/<hash hex>/<member>/tp<rank>of<size>`. The hash already
-    binds the namespace, model id and KV dtype (they seed the chain); the readable prefix
+    A key is `hc2/<ns-tag>/<model>/<hash hex>/<member>/tp<rank>of<size>`. The hash already
+    binds the namespace, model id, KV dtype and geometry (they seed the chain); the readable prefix
     lets an operator see and delete one model's objects.
     """
     prefix = key_prefix(namespace, model_id)

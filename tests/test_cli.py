@@ -107,6 +107,10 @@ def test_config_check_sizes_come_from_the_pools_own_sizing() -> None:
     text = describe(cfg)
     assert "member mamba: component=mamba" in text and "l2=400 x 192 B" in text
     assert "member full: component=full" in text and "l1=1024 x 64.0 KiB" in text
+    # What daemons sharing an L3 compare: everything that seeds the L3 keys.
+    assert (f"l3_key_seed: model=demo-model kv_dtype=bfloat16 geometry={cfg.model.geometry}\n"
+            in text)
+    assert cfg.model.geometry == "page64;full=full:4x16384w0;mamba=mamba:2x64w0"
 
 
 def test_config_check_hides_bearer_tokens() -> None:

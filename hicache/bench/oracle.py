@@ -22,7 +22,7 @@ class KvOracle:
         self.info = info
         self.pools = pools
         self.page_size = info.page_size
-        self.seed = chain_seed(namespace, "oracle", "")
+        self.seed = chain_seed(namespace, "oracle", "", "")
         self.pages_checked = 0  # (counted per page and layer, and per member)
         self.wrong_bytes = 0
         # Pages the reply should have listed and did not (each counted as wrong bytes too,

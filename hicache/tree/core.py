@@ -107,6 +107,7 @@ class HiRadixTree:
         model_id: str = "model",
         kv_dtype: str = "",
         closed_session_tombstones: int = 4096,
+        geometry: str = "",
     ) -> None:
         if page_size <= 0:
             raise ValueError("page_size must be > 0")
@@ -140,7 +141,7 @@ class HiRadixTree:
         # Per-page slots a new node offers at once (a child-sensitive one waits for a child).
         self._offered_new = frozenset(c.index for c in self._page_comps if not c.child_sensitive)
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
-        self._model_id, self._kv_dtype = model_id, kv_dtype
+        self._seed_parts = (model_id, kv_dtype, geometry)  # see `keys.chain_seed`
         self._point_ids = _read_only(np.arange(1024, dtype=np.int64))  # see `_point`
         self._minus = _read_only(np.full(1024, -1, dtype=np.int64))  # see `_window_ids`
         self._roots: dict[str, Node] = {}
@@ -475,7 +476,7 @@ class HiRadixTree:
         pages beyond the tree, computed without the tree (outside the caller's lock)."""
         if isinstance(node, Node) and node.parent is not None:
             return self.page_hashes(node)[-PAGE_HASH_BYTES:]
-        return chain_seed(namespace, self._model_id, self._kv_dtype)
+        return chain_seed(namespace, *self._seed_parts)
 
     def mark_loaded(self, lock: TreeLock) -> dict[ComponentKind, np.ndarray]:
         """After a load brought the lock's whole path into L1: inserts with this lock now
@@ -647,7 +648,7 @@ class HiRadixTree:
             root = self._roots.get(namespace)
             if root is None:
                 root = self._roots[namespace] = Node(b"", 0, None, self._ncomp)
-                root.root = _RootInfo(namespace, chain_seed(namespace, self._model_id, self._kv_dtype))
+                root.root = _RootInfo(namespace, chain_seed(namespace, *self._seed_parts))
             return root
         if not lock.active:
             raise NotFound("lock was already released")

@@ -100,7 +100,8 @@ class Engine:
         self.checked = 0
 
     def hashes(self, tokens: bytes) -> list[bytes]:
-        blob = chain_hashes(chain_seed(self.ns, self.cfg.model.id, self.cfg.model.kv_dtype), tokens, self.ps * 4)
+        blob = chain_hashes(chain_seed(self.ns, self.cfg.model.id, self.cfg.model.kv_dtype,
+                                       self.cfg.model.geometry), tokens, self.ps * 4)
         return [blob[i : i + 16] for i in range(0, len(blob), 16)]
 
     def pattern(self, page_hash: bytes, member: str, layer: int, size: int) -> np.ndarray:

@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, prefetch_back, seq, wait_prefetch
+from engine_sim import Engine, evict_all, flushed, prefetch_back, seq, wait_prefetch
 
 from hicache.controller.base import (
     NO_PAGES,
@@ -54,6 +54,21 @@ def test_round_trip_l1_l2_l3_l2_l1_is_bit_exact(make, hybrid: bool) -> None:
     counts, _ = canonical_counters(ctl.stats().counters)  # what the wire and metrics show
     assert counts["prefetches_done"] == 1 and counts["prefetches_running"] == 0
     assert counts["evictions_device"] >= 6 and counts["evictions_host"] >= 6
+
+
+def test_one_model_id_with_another_geometry_shares_no_l3_objects(make) -> None:
+    """2 layers of 8 bytes a token and 4 layers of 4 give pages of equal size: an object's
+    header checks only its key and size, so with the same keys a daemon configured with
+    the other geometry read the first one's pages as its own KV (wrong bytes, no miss)."""
+    tokens = seq(6)
+    first = make()
+    Engine(first).request(tokens)
+    flushed(first, tokens)
+    same = make()  # the control: the same geometry, another daemon, hits
+    assert same.match("e1", MatchRequest("", tokens)).storage_tokens == 24
+    other = make(model__components={"full": {"layers": 4, "bytes_per_token_per_layer": 4}})
+    assert other.cfg.model.members[0].bytes_per_page == first.cfg.model.members[0].bytes_per_page
+    assert other.match("e1", MatchRequest("", tokens)).storage_tokens == 0
 
 
 def test_write_back_backs_up_only_on_eviction(make) -> None:
