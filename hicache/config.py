@@ -47,6 +47,7 @@ L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's he
 # checks it is the object format's HEADER_BYTES, which lives with the storage code) ...
 L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (and an int64 boundary)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
+MAX_TTL_S = (1 << 31) - 1  # storage.redis.ttl_s: ~68 years
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
 _MEMBER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
@@ -366,11 +367,15 @@ class RedisStorageConfig:
 
     def _validate(self, path: str) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            scheme, sep, _ = self.url.partition("://")  # (not the URL: it may hold a password)
+            got = f"scheme {_key_text(scheme)}" if sep else "no scheme"
             raise ConfigError(
-                f"{path}.url: {self.url!r} must start with redis://, rediss:// or unix://"
+                f"{path}.url: must start with redis://, rediss:// or unix:// (got {got})"
             )
         if self.ttl_s is not None:
             _positive(self.ttl_s, f"{path}.ttl_s")
+            if self.ttl_s > MAX_TTL_S:  # (Redis refuses an expiry past its clock's range)
+                raise ConfigError(f"{path}.ttl_s: {_number_text(self.ttl_s)} is over {MAX_TTL_S}")
         _positive(self.batch, f"{path}.batch")
         _positive(self.pool_size, f"{path}.pool_size")
 
@@ -496,12 +501,17 @@ class HicacheConfig:
                 "tiers.l2.layout: layer_first cannot serve an L3 backend (objects are whole "
                 f"pages; storage.backend is {self.storage.backend.value}): use auto or page_first"
             )
-        if self.tiers.l2.size_gb is not None and self.l2_pages(self.l1_pages) <= self.l1_pages:
-            raise ConfigError(
-                f"tiers.l2.size_gb: {self.tiers.l2.size_gb} GiB holds "
-                f"{self.l2_pages(self.l1_pages)} pages per pool, not more than L1's "
-                f"{self.l1_pages}: L2 must hold L1 and more"
-            )
+        # (a ratio a hair over 1 rounds to L1's own size)
+        by = (f"tiers.l2.size_gb: {self.tiers.l2.size_gb} GiB" if self.tiers.l2.size_gb is not None
+              else f"tiers.l2.ratio: {self.tiers.l2.ratio!r}")
+        for kind in self.model.component_kinds:
+            l1, l2 = self.pages_for(kind), self.l2_pages_for(kind)
+            if l2 <= l1:
+                what = "slots" if kind is ComponentKind.MAMBA else "pages"
+                raise ConfigError(
+                    f"{by} gives {l2} {what} per {kind.value} pool, not more than L1's {l1}: "
+                    "L2 must hold L1 and more"
+                )
         for name, pages in (("tiers.l1 (tokens or size_gb)", self.l1_pages),
                             ("tiers.l1.mamba_slots", self.tiers.l1.mamba_slots)):
             if pages > MAX_L1_PAGES:
@@ -573,6 +583,13 @@ class HicacheConfig:
             return self.tiers.l1.mamba_slots
         return self.l1_pages
 
+    def l2_pages_for(self, kind: ComponentKind) -> int:
+        """L2 pool size (in pages or slots) of a component: MAMBA's slots are `ratio` x
+        L1's slots, or (with `size_gb`) as many as a token pool's pages."""
+        if kind is ComponentKind.MAMBA and self.tiers.l2.size_gb is None:
+            return ratio_of(self.tiers.l1.mamba_slots, self.tiers.l2.ratio)
+        return self.l2_pages(self.l1_pages)
+
     @property
     def host_layout(self) -> HostLayout:
         if self.tiers.l2.layout is not HostLayout.AUTO:
@@ -634,6 +651,20 @@ class _StrictLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._checked: set[int] = set()
 
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """A scalar PyYAML cannot convert (`2020-02-30` read as a date, `!!int abc`) raised
+        ValueError and the like, not a YAML error: it becomes one, with where it is (not
+        the value: it may be a token)."""
+        try:
+            return super().construct_object(node, deep)  # type: ignore[no-untyped-call]
+        except yaml.YAMLError:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+            kind = str(node.tag).rsplit(":", 1)[-1]
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read a {kind} value ({type(e).__name__})", node.start_mark
+            ) from None
+
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
         if id(node) not in self._checked:
             self._checked.add(id(node))
@@ -651,17 +682,45 @@ class _StrictLoader(yaml.SafeLoader):
                     raise yaml.constructor.ConstructorError(
                         None, None, f"found an unhashable key ({type(key).__name__})", key_node.start_mark
                     ) from None
-                if duplicate:
+                if duplicate:  # (named when it is one of ours: any other may be a token)
+                    shown = f" {key!r}" if key in _schema_keys() else ""
                     raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark
+                        None, None, f"duplicate key{shown}", key_node.start_mark
                     )
                 seen.add(key)
         super().flatten_mapping(node)  # type: ignore[no-untyped-call]
 
 
+@functools.cache
+def _schema_keys() -> frozenset[str]:
+    """Every key name the configuration has (at any level)."""
+    names: set[str] = set()
+
+    def visit(tp: Any) -> None:
+        for f in dataclasses.fields(tp):
+            names.add(f.name)
+            hint = typing.get_type_hints(tp)[f.name]
+            for arg in (hint, *typing.get_args(hint), *(a for t in typing.get_args(hint)
+                                                         for a in typing.get_args(t))):
+                if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                    visit(arg)
+
+    visit(HicacheConfig)
+    return frozenset(names)
+
+
+def _load_yaml(text: str) -> Any:
+    """`text` read by the strict loader; RecursionError (nesting deeper than Python's
+    stack) as a YAML error."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # (a SafeLoader subclass)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
+
+
 def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
     try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # (a SafeLoader subclass)
+        raw = _load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {_yaml_problem(e)}") from None
     if raw is None:
@@ -675,22 +734,27 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     """`a.b.c=value`: set a key by its dotted path; the value is parsed as YAML, so it is
     typed and then validated exactly like the file."""
     key, sep, value = item.partition("=")
+    key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted key")
-    parts = key.strip().split(".")
+        raise ConfigError(f"--set {_key_text(item)}: expected KEY=VALUE with a dotted key")
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {_key_text(key)}: a dotted key has an empty part")
     node = raw
     for i, part in enumerate(parts[:-1]):
         nxt = node.get(part)
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {key}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ConfigError(f"--set {_key_text(key)}: {_key_text('.'.join(parts[: i + 1]))} "
+                              "is not a section")
         node = nxt
-    try:
-        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    try:  # (the file's loader: a duplicate key is refused here too)
+        node[parts[-1]] = _load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
-        shown = "(value hidden)" if _secret(key.strip()) else repr(value)
-        raise ConfigError(f"--set {key}: value {shown} is not valid YAML: {_yaml_problem(e)}") from None
+        shown = "(value hidden)" if _may_hold_secret(key) else repr(value)
+        raise ConfigError(f"--set {_key_text(key)}: value {shown} is not valid YAML: "
+                          f"{_yaml_problem(e)}") from None
 
 
 def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
@@ -742,7 +806,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = sorted(set(value) - set(fields), key=str)
         if unknown:
-            key = "(a key, hidden)" if _secret(path) else str(unknown[0])
+            key = "(a key, hidden)" if _secret(path) else _key_text(unknown[0])
             raise ConfigError(f"{_join(path, key)}: unknown key; allowed: {sorted(fields)}")
         # An explicit `key: null` on a field that is not optional means "the default" (the
         # reference hicache.yaml uses it for keys that the environment may supply).
@@ -769,7 +833,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a mapping, got {_show(value, shown)}")
         key_tp, val_tp = typing.get_args(tp)
         return {
-            _build(key_tp, k, path): _build(val_tp, v, _join(path, str(k)))
+            _build(key_tp, k, path): _build(val_tp, v, _join(path, _key_text(k)))
             for k, v in value.items()
         }
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -784,12 +848,21 @@ def _build(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{shown}: expected an integer, got {_show(value, shown)}")
+        if not -MAX_INT <= value <= MAX_INT:  # (sizes multiply: keep them to 64 bits)
+            raise ConfigError(f"{shown}: {_number_text(value)} is out of range (|n| <= 2**63 - 1)")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{shown}: expected a number, got {_show(value, shown)}")
-        if not math.isfinite(value):  # every number here is a size, a time or a ratio
+        # Every number here is a size, a time or a ratio: finite, and within what the
+        # code computing with it (pool sizes, timed waits) can take.
+        limit = _float_limit(path)
+        if isinstance(value, int) and abs(value) > limit:  # (an int past a float's range)
+            raise ConfigError(f"{shown}: {_number_text(value)} is over {limit:g}")
+        if not math.isfinite(value):
             raise ConfigError(f"{shown}: {value!r} is not a finite number")
+        if abs(value) > limit:
+            raise ConfigError(f"{shown}: {value!r} is over {limit:g}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -797,6 +870,10 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             if shown.endswith("socket_mode") and isinstance(value, int):
                 hint = " (YAML reads an unquoted 0660 as a number: quote it, '0660')"
             raise ConfigError(f"{shown}: expected a string, got {_show(value, shown)}{hint}")
+        try:  # (a lone surrogate, which YAML's escapes can make: no file name or key holds it)
+            value.encode()
+        except UnicodeEncodeError:
+            raise ConfigError(f"{shown}: not valid Unicode text (a lone surrogate)") from None
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 
@@ -821,6 +898,33 @@ def _host_port(value: str, path: str, problem: str) -> None:
         raise ConfigError(f"{path}: {value!r} {problem}")
 
 
+MAX_INT = (1 << 63) - 1
+# Upper bounds of float keys by the ending of their name: durations (timed waits take at
+# most `threading.TIMEOUT_MAX`), sizes in GiB (1 PiB), and any other number (ratios).
+_FLOAT_LIMITS = (("_s", 86400.0), ("_ms", 86400e3), ("_gb", float(1 << 20)))
+_FLOAT_LIMIT = 1e12
+
+
+def _float_limit(path: str) -> float:
+    for suffix, limit in _FLOAT_LIMITS:
+        if path.endswith(suffix):
+            return limit
+    return _FLOAT_LIMIT
+
+
+def _number_text(value: int) -> str:
+    """An integer for a message: a huge one by its size, not its 400 digits."""
+    text = str(value)
+    return text if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+def _key_text(key: object) -> str:
+    """A key as a message shows it: as written, or quoted when it is not printable (a
+    newline in a key would split the one-line error)."""
+    text = str(key)
+    return text if text.isprintable() else repr(text)
+
+
 def _optional(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
@@ -830,8 +934,10 @@ def _join(path: str, key: str) -> str:
 
 
 def _show(value: Any, path: str = "") -> str:
-    if _secret(path):
+    if _may_hold_secret(path):
         return f"{type(value).__name__} (value hidden)"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{_number_text(value)} (int)"
     return f"{value!r} ({type(value).__name__})"
 
 
@@ -839,6 +945,12 @@ def _secret(path: str) -> bool:
     """Whether `path` lies in `server.tokens`, whose values are never printed: a
     configuration error goes to stderr, which systemd sends to the journal."""
     return path == "server.tokens" or path.startswith(("server.tokens[", "server.tokens."))
+
+
+def _may_hold_secret(path: str) -> bool:
+    """`_secret`, or a section above `server.tokens`: a value given there (a list where a
+    mapping belongs) may hold the tokens."""
+    return _secret(path) or path in ("", "<root>", "server")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -61,12 +61,14 @@ class Endpoint:
 
 # A host: a name or IPv4 address, or a bracketed IPv6 address (no scheme, no path).
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+_PORT = re.compile(r"[0-9]{1,5}")
 
 
 def split_host_port(address: str) -> tuple[str, int] | None:
     """`host:port` as (host, port), or None when it is not one."""
     host, sep, port = address.rpartition(":")
-    if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+    # (ASCII digits: `isdigit` takes '²', which int() refuses, and '٣', which it reads as 3)
+    if not sep or not _HOST.fullmatch(host) or not _PORT.fullmatch(port) or not 0 < int(port) < 65536:
         return None
     return host, int(port)
 

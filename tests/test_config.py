@@ -124,7 +124,10 @@ def test_l2_size_gb_overrides_ratio() -> None:
         ("server: {tls_cert: /a.pem}", "server.tls_cert/tls_key: give both or neither"),
         ("server: {tokens: [{token: short, namespaces: [a]}]}", "server.tokens[0].token: must be at least 16 characters"),
         ("storage: {backend: mooncake}", "storage.mooncake.master: required with storage.backend=mooncake (or set MOONCAKE_MASTER)"),
-        ("storage: {redis: {url: 'http://x'}}", "storage.redis.url: 'http://x' must start with"),
+        ("storage: {redis: {url: 'http://x'}}", "storage.redis.url: must start with redis://, rediss:// or unix:// (got scheme http)"),
+        # (the URL itself is not shown: it may hold a password)
+        ("storage: {redis: {url: 'http://u:secretpw@x'}}", "(got scheme http)"),
+        ("storage: {redis: {ttl_s: 4294967296}}", "storage.redis.ttl_s: 4294967296 is over 2147483647"),
         ("storage: {file: {threads: 0}}", "storage.file.threads: 0 must be in [1, 64] (or null: by filesystem)"),
         ("storage: {file: {threads: 65}}", "storage.file.threads: 65 must be in [1, 64]"),
         ("storage: {file: {threads: auto}}", "storage.file.threads: expected an integer"),
@@ -145,6 +148,14 @@ def test_each_mistake_names_key_value_and_allowed(text: str, fragment: str) -> N
     with pytest.raises(ConfigError) as err:
         build(text)
     assert fragment in str(err.value)
+
+
+def test_a_redis_url_with_a_bad_scheme_is_refused_without_showing_it() -> None:
+    """The URL may hold a password (`user:password@`): a configuration error goes to
+    stderr, which systemd sends to the journal."""
+    with pytest.raises(ConfigError) as err:
+        build("storage: {redis: {url: 'http://u:secretpw@x'}}")
+    assert "storage.redis.url" in str(err.value) and "secretpw" not in str(err.value)
 
 
 def test_not_yaml_and_not_a_mapping(tmp_path) -> None:

@@ -9,7 +9,7 @@ pages. A page's L2 slot is its header and payload rounded up to a cache line
 
 from __future__ import annotations
 
-from hicache.config import L2_SLOT_ALIGN, HicacheConfig, l2_slot_bytes, ratio_of
+from hicache.config import L2_SLOT_ALIGN, HicacheConfig, l2_slot_bytes
 from hicache.types import ComponentKind
 
 SLOT_ALIGN = L2_SLOT_ALIGN  # page_first slots start on a cache line (and an int64 boundary)
@@ -19,17 +19,8 @@ slot_bytes = l2_slot_bytes
 
 
 def host_pages(cfg: HicacheConfig) -> dict[ComponentKind, int]:
-    """Pages (MAMBA: slots) of each family's L2 pools."""
-    token_pages = cfg.l2_pages(cfg.l1_pages)
-    out: dict[ComponentKind, int] = {}
-    for kind in cfg.model.component_kinds:
-        if kind is not ComponentKind.MAMBA:
-            out[kind] = token_pages
-        elif cfg.tiers.l2.size_gb is None:
-            out[kind] = ratio_of(cfg.tiers.l1.mamba_slots, cfg.tiers.l2.ratio)
-        else:
-            out[kind] = token_pages
-    return out
+    """Pages (MAMBA: slots) of each family's L2 pools (`HicacheConfig.l2_pages_for`)."""
+    return {kind: cfg.l2_pages_for(kind) for kind in cfg.model.component_kinds}
 
 
 def round_up(value: int, to: int) -> int:
