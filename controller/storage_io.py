@@ -20,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -45,6 +45,13 @@ _S = TypeVar("_S", GetStatus, PutStatus)
 
 def _writing(namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec]) -> list[Writing]:
     return [(namespace, members[0].name, h) for h in hashes]
+
+
+class L3Written(NamedTuple):
+    """What one `L3Store.write` did, in pages (a page: every member's object)."""
+
+    in_l3: int  # pages L3 now holds: stored by this write, or there already
+    stored: int  # of those, pages this write stored (an object of theirs was new)
 
 
 class L3Store:
@@ -198,25 +205,29 @@ class L3Store:
             return True
 
     def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
-              host_ids: np.ndarray) -> int:
-        """Store pages from their host slots; returns pages now in L3. Raises
+              host_ids: np.ndarray) -> L3Written:
+        """Store pages from their host slots; returns pages now in L3 and how many of them
+        this write stored (the others were there: another daemon wrote them). Raises
         BackendUnavailable (breaker open or the store did not answer)."""
         keys, statuses = self._transfer(L3Op.PUT, self.backend.put_from, namespace, hashes,
                                         members, host_ids)
         per = len(members)
         present: list[str] = []
         found: set[str] = set()  # answered PRESENT: something is there, maybe not ours
+        stored = 0
         for page in range(len(hashes)):
             page_keys = keys[page * per : (page + 1) * per]
             page_statuses = statuses[page * per : (page + 1) * per]
             if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in page_statuses):
                 present += page_keys
-                found.update(k for k, s in zip(page_keys, page_statuses, strict=True)
-                             if s is PutStatus.PRESENT)
+                was_there = {k for k, s in zip(page_keys, page_statuses, strict=True)
+                             if s is PutStatus.PRESENT}
+                found |= was_there
+                stored += len(was_there) < per
         # One call for the batch: the cache then keeps the batch's first page most recent
         # (a path written node by node keeps that order within each node only).
         self.cache.add_present(present, found)
-        return len(present) // per
+        return L3Written(len(present) // per, stored)
 
     def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],

@@ -333,7 +333,7 @@ class Transfers:
             return
         namespace = self.tree.namespace_of(victim.node)
         hashes = victim.hashes()
-        # `backups_l3` counts FULL pages (as write-through does): a slot alone adds none.
+        # The backup counters count FULL pages (as write-through does): a slot alone adds none.
         full_pages = len(hashes) // PAGE_HASH_BYTES if FULL in pages else 0
         l3 = self.ctl.l3
         if l3 is None or not l3.takes_writes:
@@ -341,15 +341,13 @@ class Transfers:
             return
         writing = self._hold_for_l3(namespace, hashes, pages)
 
-        def release(written: int = 0) -> None:
+        def release() -> None:
             with self.ctl._mu:
-                self.stats["backups_l3"] += written
                 self._release_for_l3(pages, writing)
 
         def run() -> None:
             self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
             with self.ctl._mu:
-                self.stats["backups_l3"] += full_pages
                 self._release_for_l3(pages, writing)
                 # A node still in the tree (in L1, or with other slots) records its L3 copy,
                 # so its next eviction from L2 does not write (and count) it again. FULL
@@ -733,7 +731,6 @@ class Transfers:
                 if not stored:
                     self.stats["backups_l3_failed"] += int(failed)
                     return
-                self.stats["backups_l3"] += full_pages
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
@@ -787,12 +784,19 @@ class Transfers:
             yield kind, ids, page_hashes[len(page_hashes) - len(ids) :], self.cfg.model.family(kind)
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
+        """Store `pages`; raises unless L3 holds them all. Counts FULL pages: stored
+        (`backups_l3`) or found there already (`backups_l3_present`: another daemon, or
+        an earlier write of the same pages, stored them)."""
         l3 = self.ctl.l3
         assert l3 is not None
         for kind, ids, targets, members in self._l3_targets(hashes, pages):
-            stored = l3.write(namespace, targets, members, ids)
-            if stored < len(targets):  # retried; refusals count against the write breaker
-                raise BackendUnavailable(f"L3 stored {stored} of {len(targets)} {kind.value} pages")
+            done = l3.write(namespace, targets, members, ids)
+            if kind is FULL:
+                with self.ctl._mu:
+                    self.stats["backups_l3"] += done.stored
+                    self.stats["backups_l3_present"] += done.in_l3 - done.stored
+            if done.in_l3 < len(targets):  # retried; refusals count against the write breaker
+                raise BackendUnavailable(f"L3 stored {done.in_l3} of {len(targets)} {kind.value} pages")
 
     # ------------------------------------------------------------------ load
 

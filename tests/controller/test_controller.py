@@ -71,6 +71,22 @@ def test_one_model_id_with_another_geometry_shares_no_l3_objects(make) -> None:
     assert other.match("e1", MatchRequest("", tokens)).storage_tokens == 0
 
 
+def test_pages_another_daemon_stored_count_as_present_not_as_backups(make) -> None:
+    """`backups_l3` (and Flush's pages_written) are pages this daemon stored: a page the
+    store had already (PRESENT) is `backups_l3_present`. It used to count both."""
+    tokens = seq(6)
+    first = make()
+    Engine(first).request(tokens)
+    flushed(first, tokens)
+    assert first.stats().counters["backups_l3"] == 6
+    second = make()
+    Engine(second).request(tokens)  # computed again (no prefetch): the same 6 pages
+    assert second.flush(10) == 0
+    counters = second.stats().counters
+    assert counters["backups_l3"] == 0 and counters["backups_l3_present"] == 6
+    assert second.tree.resident_pages(Tier.STORAGE, FULL) == 6
+
+
 def test_write_back_backs_up_only_on_eviction(make) -> None:
     ctl = make(write__l1_to_l2="write_back", storage__backend="none")
     eng = Engine(ctl)

@@ -75,7 +75,9 @@ def test_no_prefetch_continues_from_a_node_evicted_while_l3_was_asked(make) -> N
     assert ctl.flush(10)
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
     eng.request(seq(4))
-    assert ctl.flush(10)
+    assert ctl.tree.resident_pages(Tier.STORAGE, MAMBA) == 0
+    ctl.flush(10)  # (its FULL pages are in L3 already: only the new checkpoint is written)
+    assert ctl.tree.resident_pages(Tier.STORAGE, MAMBA) == 1
     evict_all(ctl, Tier.DEVICE)
     with ctl._mu:  # the checkpoint leaves L2 alone; FULL and SWA stay there
         ctl.transfers._evict(Tier.HOST, MAMBA, 1)

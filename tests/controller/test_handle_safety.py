@@ -598,7 +598,7 @@ def test_a_write_refused_by_the_read_breaker_keeps_the_write_breakers_probe(make
     with pytest.raises(BreakerOpen, match="circuit breaker open"):
         l3.write(*args)
     l3.breaker.success()  # the read side recovers
-    assert l3.write(*args) == 2  # the write probe was still there
+    assert l3.write(*args).in_l3 == 2  # the write probe was still there
 
 
 def test_an_insert_pairing_an_allocation_with_another_requests_lock_changes_nothing(make) -> None:
