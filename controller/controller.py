@@ -50,7 +50,14 @@ from hicache.tiers.host import build_host_pools
 from hicache.tiers.storage.base import BackendHealth
 from hicache.tiers.storage.registry import build_backend
 from hicache.tree import HiRadixTree
-from hicache.types import ComponentKind, HostLayout, PrefetchPolicy, StorageBackendName, Tier
+from hicache.types import (
+    ComponentKind,
+    HostLayout,
+    PrefetchPolicy,
+    StorageBackendName,
+    Tier,
+    WritePolicy,
+)
 
 log = logging.getLogger("hicache.controller")
 MAMBA = ComponentKind.MAMBA
@@ -789,7 +796,9 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
     }
     tree = HiRadixTree(cfg.model.page_size, kinds, cfg.eviction.policy, cfg.model.id,
                        cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones,
-                       cfg.model.geometry)
+                       cfg.model.geometry,
+                       # write-back L1 -> L2 copies a slot leaving L1 first
+                       (Tier.DEVICE,) if cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else ())
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None
     copier: CopyEngine | None = None

@@ -317,9 +317,14 @@ class Transfers:
         return None
 
     def _l1_victim(self, victim: Victim) -> None:
-        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks). A
-        failed copy does not stop the eviction: the slot then leaves the cache."""
+        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks), and
+        from there on to L3 as the L2 -> L3 policy says (as a write-through copy landing
+        in L2 does: it used to wait for a later match of the node). A failed copy does
+        not stop the eviction of a leaf: the slot then leaves the cache (`tree.evict`
+        keeps a node with children, whose last copy it would be)."""
         self._backup_to_host_or_count(victim.node, "write-back")
+        if self.ctl.l3 is not None and self.tree.is_resident(victim.node, FULL, Tier.HOST):
+            self._maybe_l3([victim.node])
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
@@ -964,8 +969,18 @@ class Transfers:
         # NOTE: jobs already queued land first. A node whose L3 write is still queued is
         # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
         self.drain(max(0.0, deadline - time.monotonic()))
+        # What L2 holds goes down first: staging an L1-only slot into L2 may evict L2
+        # slots, which (unless L2 -> L3 is write-back) leave unwritten. Once written they
+        # leave safely (and a staged slot whose write is queued is held until it landed).
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
+                if kinds := self.tree.slots_for_storage(node):
+                    self.backup_to_storage(node, kinds)
+        self.drain(max(0.0, deadline - time.monotonic()))
+        with self.ctl._mu:
+            for node in self.tree.iter_nodes():
+                if not self.tree.is_live(node):
+                    continue  # evicted by an earlier node's staging
                 self.backup_to_host(node)  # (any slot L1 holds and L2 lacks; else nothing)
                 if kinds := self.tree.slots_for_storage(node):
                     self.backup_to_storage(node, kinds)

@@ -9,7 +9,7 @@ node must be split.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 
 import numpy as np
@@ -108,10 +108,15 @@ class HiRadixTree:
         kv_dtype: str = "",
         closed_session_tombstones: int = 4096,
         geometry: str = "",
+        backed_up_tiers: Collection[Tier] = (),
     ) -> None:
+        """`backed_up_tiers`: tiers whose evictions first copy each slot to the other paged
+        tier (write-back L1 -> L2): the last copy of a node with children is a candidate
+        there (`evict` keeps it when its `before_drop` made no copy)."""
         if page_size <= 0:
             raise ValueError("page_size must be > 0")
         self.page_size = page_size
+        self.backed_up_tiers = frozenset(int(t) for t in backed_up_tiers)
         self._pb = page_size * 4  # bytes of one page of token ids
         self.components: list[Component] = build_components(
             components or {ComponentKind.FULL: 0}, page_size
@@ -165,7 +170,7 @@ class HiRadixTree:
         return EvictionQueue(
             1 << (tier * self._ncomp + ci),
             comp.rank_key(self._lfu),
-            comp.candidate_test(tier),
+            comp.candidate_test(tier, tier in self.backed_up_tiers),
             lambda n: n.lock[li] > 0,
         )
 
@@ -1171,6 +1176,13 @@ class HiRadixTree:
                 before_drop(self._victim(target, comp, tier))
             if not target.mask[comp.index] & (1 << tier):
                 continue  # the callback already moved it
+            if (comp.index == FULL_INDEX and target.children
+                    and not target.mask[FULL_INDEX] & _PAGED_MASK & ~(1 << tier)):
+                # The last copy of a node with children (a `backed_up_tiers` candidate
+                # whose copy could not be made: no room, a failed copy) stays; the next
+                # eviction tries it again.
+                queue.park(target)
+                continue
             before = self._resident[tier][comp.index]
             self._drop(target, comp, tier, freed)
             evicted += before - self._resident[tier][comp.index]

@@ -56,6 +56,12 @@ class EvictionQueue:
         self._pending.extend(parked)
         self._drain()
 
+    def park(self, node: Node) -> None:
+        """Keep a popped candidate that could not go now queued: back in at the next
+        eviction (as a locked one is)."""
+        node.qmask |= self._bit
+        self._parked.append(node)
+
     def offer(self, node: Node, force: bool = False) -> None:
         """Mark `node` for the queue unless it is marked already (`force`: a second entry
         anyway, for a rank that went down); whether it is a candidate is decided when an

@@ -119,7 +119,7 @@ def check_tree(tree: HiRadixTree) -> None:
                 want_sref = expect_sref.get(id(node), [0] * ncomp)[ci]
                 assert node.sref[ci] == want_sref, f"{where}: {comp.kind.value} sref {node.sref[ci]} != {want_sref}"
                 for tier in range(PAGED_TIERS):
-                    if comp.candidate_test(tier)(node) and comp.retained_pages(node, tier) < t._slot_len(node, comp, tier):
+                    if comp.candidate_test(tier, tier in t.backed_up_tiers)(node) and comp.retained_pages(node, tier) < t._slot_len(node, comp, tier):
                         bit = 1 << (tier * ncomp + ci)
                         assert node.qmask & bit, f"{where}: evictable {comp.kind.value}/{tier} not queued"
     assert resident == t._resident, f"resident counters {t._resident} != {resident}"

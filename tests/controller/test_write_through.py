@@ -13,7 +13,7 @@ import pytest
 from engine_sim import Engine, evict_all, seq
 
 from hicache.controller import transfers as transfers_mod
-from hicache.controller.base import MatchRequest
+from hicache.controller.base import AllocateRequest, MatchRequest
 from hicache.controller.workers import Job
 from hicache.types import ComponentKind, Tier
 
@@ -449,3 +449,52 @@ def test_drain_and_close_send_a_waiting_batch(make) -> None:
     ctl.transfers.close()
     assert time.monotonic() - start < 1.5  # closing woke it: nothing hangs for 2 s
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 4
+
+
+# Write-back L1 -> L2, from a fuzz of the controller's API: each failed before its fix.
+
+
+def test_write_back_l1_evicts_an_interior_node_whose_child_went_to_l2(make) -> None:
+    """Nothing held, 4 of 12 L1 pages cached (a 2-page node and its 2-page child): an
+    allocation of 11 pages must evict both. The child went to L2 and left L1; its parent,
+    L1's only copy of a node with a child, was no eviction candidate, though its eviction
+    would have copied it to L2 too: ResourceExhausted, L1 pages stuck for good."""
+    ctl = make(l1_tokens=48, write__l1_to_l2="write_back", storage__backend="none")
+    eng = Engine(ctl)
+    eng.request(seq(2))
+    eng.request(seq(4))
+    a = ctl.allocate("e1", AllocateRequest("", 44))
+    ctl.release("e1", None, a.allocation_id)
+    m = ctl.match("e1", MatchRequest("", seq(4)))
+    assert (m.device_tokens, m.host_tokens) == (0, 16)  # both in L2, nothing lost
+
+
+def test_flush_writes_what_l2_holds_before_staging_l1_slots_into_it(make) -> None:
+    """L1 of 4 pages, L2 of 8, write-back L1 -> L2: three 4-page requests leave the first
+    two in L2 and the third in L1, none in L3. Flush staged the third into L2 first,
+    evicting the first from L2 unwritten (L2 -> L3 is not write-back): after the flush
+    it was nowhere."""
+    ctl = make(l1_tokens=16, write__l1_to_l2="write_back", storage__backend="file")
+    eng = Engine(ctl)
+    prompts = [seq(4, 1000 * (i + 1)) for i in range(3)]
+    for tokens in prompts:
+        eng.request(tokens)  # each evicts the one before from L1 (written back to L2)
+    assert ctl.transfers.drain(10)
+    assert (ctl.tree.resident_pages(Tier.DEVICE, FULL),
+            ctl.tree.resident_pages(Tier.HOST, FULL)) == (4, 8)
+    ctl.flush(10)
+    for tokens in prompts:
+        m = ctl.match("e1", MatchRequest("", tokens))
+        assert m.device_tokens + m.host_tokens + m.storage_tokens == 16
+
+
+def test_write_back_l1_then_write_through_l3_writes_what_reaches_l2(make) -> None:
+    """A node written back to L2 went on to L3 (l2_to_l3: write_through) only when a
+    later match touched it: evicted from L2 before that, it was lost."""
+    ctl = make(write__l1_to_l2="write_back", write__l2_to_l3="write_through", storage__backend="file")
+    Engine(ctl).request(seq(4))
+    evict_all(ctl, Tier.DEVICE)  # written back: the node is in L2 now
+    assert ctl.transfers.drain(10)
+    assert ctl.l3.backend.stats().puts == 4
+    evict_all(ctl, Tier.HOST)
+    assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16

@@ -183,8 +183,11 @@ def check_step(tree: HiRadixTree, oracle: Oracle) -> None:
             assert tree.resident_pages(tier, kind) == held, (tier, kind, tree.resident_pages(tier, kind), held)
 
 
-def run_sequence(kinds: tuple[ComponentKind, ...], ops: list) -> None:
-    tree = HiRadixTree(P, {k: (WINDOW * P if k is SWA else 0) for k in kinds})
+def run_sequence(kinds: tuple[ComponentKind, ...], ops: list, backed_up: bool = False) -> None:
+    """`backed_up`: L1 is a write-back tier (`backed_up_tiers`): interior L1-only nodes
+    are eviction candidates, kept when the op's eviction makes no L2 copy."""
+    tree = HiRadixTree(P, {k: (WINDOW * P if k is SWA else 0) for k in kinds},
+                       backed_up_tiers=(DEV,) if backed_up else ())
     oracle = Oracle(kinds)
     ids = itertools.count(1)
     locks: list = []
@@ -257,3 +260,15 @@ def test_full_only_against_oracle(ops: list) -> None:
 @given(st.lists(op_st, min_size=1, max_size=30))
 def test_full_swa_mamba_against_oracle(ops: list) -> None:
     run_sequence((FULL, SWA, MAMBA), ops)
+
+
+@settings(SETTINGS, max_examples=400)
+@given(st.lists(op_st, min_size=1, max_size=30))
+def test_full_only_with_write_back_l1_against_oracle(ops: list) -> None:
+    run_sequence((FULL,), ops, backed_up=True)
+
+
+@settings(SETTINGS, max_examples=400)
+@given(st.lists(op_st, min_size=1, max_size=30))
+def test_full_swa_mamba_with_write_back_l1_against_oracle(ops: list) -> None:
+    run_sequence((FULL, SWA, MAMBA), ops, backed_up=True)

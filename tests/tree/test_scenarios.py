@@ -539,3 +539,36 @@ def test_a_window_far_down_a_long_prefix_is_minus_one_before_it() -> None:
     assert deep.tolist() == [-1] * (n - 2) + [10_000 + n - 2, 10_000 + n - 1]
     assert short.tolist() == [-1] * 698 + [10_698, 10_699]
     tree.check_integrity()
+
+
+def test_a_write_back_tier_evicts_an_interior_node_once_its_child_left() -> None:
+    """L1 under write-back (`backed_up_tiers`): once a leaf went to L2, its parent, L1's
+    last copy of a node with children, is a candidate too (its eviction copies it first).
+    It used to be none: L1 pages stuck for good with nothing locked. Where the copy is
+    not made, the node stays, queued for the next eviction."""
+    tree = make_tree(4, backed_up_tiers=(Tier.DEVICE,))
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2)})
+    tree.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4)})  # A = pages 1, 2; its child B = 3, 4
+    host = iter(range(500, 600))
+    copy = [True]
+
+    def back_up(victim) -> None:
+        if copy[0]:
+            for kind, pages in victim.pages.items():
+                tree.set_resident(victim.node, kind, Tier.HOST, np.array([next(host) for _ in pages]))
+
+    assert list(tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up).freed[FULL]) == [3, 4]
+    copy[0] = False  # no room in L2, say: A must stay (the path would be cut)
+    assert tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up).evicted_pages == 0
+    tree.check_integrity()  # (A is still queued: the audit checks every candidate is)
+    assert tree.match("", seq(0, 16)).device_tokens == 8
+    copy[0] = True
+    assert list(tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up).freed[FULL]) == [1, 2]
+    m = tree.match("", seq(0, 16))
+    assert (m.device_tokens, m.host_tokens) == (0, 16)
+    tree.check_integrity()
+    # Without the tier backed up, A is no candidate: an eviction takes nothing.
+    plain = make_tree(4)
+    plain.insert("", seq(0, 8), {FULL: ids(1, 2)})
+    plain.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4)})
+    assert plain.evict(Tier.DEVICE, FULL, 4, before_drop=back_up).evicted_pages == 2

@@ -70,10 +70,12 @@ class Component(ABC):
     # Eviction ----------------------------------------------------------------------
 
     @abstractmethod
-    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+    def candidate_test(self, tier: int, backed_up: bool = False) -> Callable[[Node], bool]:
         """The test "could this component's slot at a node leave `tier`, locks aside?"
         (resident and structurally allowed; the queue checks locks when it pops). Built
-        once per eviction queue and run on every offer: a closure with no further calls."""
+        once per eviction queue and run on every offer: a closure with no further calls.
+        `backed_up`: an eviction from `tier` first copies the slot to the other paged tier
+        (write-back)."""
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that must stay when its slot is evicted alone from

@@ -25,11 +25,17 @@ class FullComponent(Component):
                 return i
         return len(path)
 
-    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+    def candidate_test(self, tier: int, backed_up: bool = False) -> Callable[[Node], bool]:
         # A FULL slot goes leaf-first per tier. The last copy (no other paged tier holds
-        # it) of a node with children may not go at all: that would cut the path.
+        # it) of a node with children may not go at all: that would cut the path. Where
+        # the eviction copies it first (`backed_up`, write-back), it is a candidate: the
+        # copy makes it not the last (and `evict` keeps it when the copy could not be
+        # made). Else an L1 node whose child went to L2 could never leave L1.
         bit = 1 << tier
         other = ((1 << PAGED_TIERS) - 1) & ~bit
+
+        if backed_up:
+            return lambda node: bool(node.mask[FULL_INDEX] & bit) and not node.nres[tier]
 
         def test(node: Node) -> bool:
             mask = node.mask[FULL_INDEX]

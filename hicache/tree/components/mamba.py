@@ -27,6 +27,6 @@ class MambaComponent(Component):
         ci = self.index
         return [end] if end.mask[ci] & (1 << src) and not end.mask[ci] & (1 << dst) else []
 
-    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+    def candidate_test(self, tier: int, backed_up: bool = False) -> Callable[[Node], bool]:
         ci, bit = self.index, 1 << tier
         return lambda node: bool(node.mask[ci] & bit)

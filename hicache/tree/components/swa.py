@@ -57,7 +57,7 @@ class SwaComponent(Component):
             pos = absent.find(b"\x00", pos)
         return breaks
 
-    def candidate_test(self, tier: int) -> Callable[[Node], bool]:
+    def candidate_test(self, tier: int, backed_up: bool = False) -> Callable[[Node], bool]:
         # SWA goes alone only from nodes some child continues (in this tier): a leaf's
         # trailing window goes with its FULL slot, never alone.
         ci, bit = self.index, 1 << tier
