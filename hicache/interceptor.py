@@ -36,12 +36,27 @@ _unexpected = ThrottledLog(log)
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
 
 
+# A status message travels in a trailer (percent-encoded: up to 3 bytes a character), and
+# gRPC drops trailers past its metadata limit (8 KiB): the caller then sees
+# RESOURCE_EXHAUSTED, not the status. Messages quote the caller's strings (a session id, a
+# namespace), so they are cut to this many characters.
+MAX_STATUS_MESSAGE = 1024
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message for an exception raised while serving a request."""
     if isinstance(exc, HicacheError):
         code = getattr(grpc.StatusCode, exc.grpc_code_name, grpc.StatusCode.INTERNAL)
-        return code, str(exc) or type(exc).__name__
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}: {exc}); see the daemon log"
+        return code, _bounded(str(exc) or type(exc).__name__)
+    return grpc.StatusCode.INTERNAL, _bounded(
+        f"internal error ({type(exc).__name__}: {exc}); see the daemon log")
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_STATUS_MESSAGE:
+        return message
+    cut = len(message) - MAX_STATUS_MESSAGE
+    return f"{message[:MAX_STATUS_MESSAGE]}... ({cut} more characters)"
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -87,17 +102,20 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         # Streaming requests (none in our services; server reflection's): authenticated and
-        # measured the same way, their messages parsed by the handler's own deserializer.
+        # measured the same way; a message that does not parse ends the call with
+        # INVALID_ARGUMENT when the handler reaches it (an exception in gRPC's own
+        # deserializer answered INTERNAL and could leave the call unfinished: a stop
+        # then waited for it forever).
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream(label, auth, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                self._stream(label, auth, _checked_stream(handler.stream_stream)),
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
-                self._unary(label, auth, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
+                self._unary(label, auth, _checked_stream(handler.stream_unary)),
+                request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -153,6 +171,19 @@ class _Undecodable:
 
     def __init__(self, message: str) -> None:
         self.message = message
+
+
+def _checked_stream(inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`inner` over a request stream whose messages that did not parse raise
+    InvalidArgument where the handler reads them."""
+
+    def checked(messages: Iterator[Any]) -> Iterator[Any]:
+        for message in messages:
+            if isinstance(message, _Undecodable):
+                raise InvalidArgument(message.message)
+            yield message
+
+    return lambda requests, context: inner(checked(requests), context)
 
 
 def _lenient(label: str, parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:

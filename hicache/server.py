@@ -23,6 +23,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +45,7 @@ HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 WORKERS = 32
 STOP_GRACE_S = 5.0
+STOP_SLACK_S = 1.0  # how long past the grace period a stop waits for gRPC's own end
 SIGNAL_POLL_S = 0.2  # how often the main thread wakes to run a signal's handler
 HEALTH_REFRESH_S = 1.0
 
@@ -60,6 +62,19 @@ def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
     )
 
 
+class HealthServicer(health.HealthServicer):
+    """The standard grpc.health.v1 service, whose NOT_FOUND for a service it does not
+    know says so (the library's carries no message; every status here says what was
+    wrong)."""
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+        response = super().Check(request, context)
+        if context.code() is grpc.StatusCode.NOT_FOUND and not context.details():
+            context.set_details(f"grpc.health.v1: no service named {request.service[:200]!r} "
+                                "(the empty name is the daemon's overall status)")
+        return response
+
+
 class Daemon:
     """The gRPC side of a running daemon over a started core."""
 
@@ -68,7 +83,7 @@ class Daemon:
         self.core = core
         self.endpoint = endpoint
         self.metrics = Metrics(core)
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         options = [
@@ -181,7 +196,11 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         if self.probe_server is not None:
             self.probe_server.stop(STOP_GRACE_S)
-        self.server.stop(STOP_GRACE_S).wait()
+        # Bounded: a call gRPC never finished (it happened: see the interceptor's streaming
+        # requests) must not keep the flush and the exit waiting forever.
+        if not self.server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + STOP_SLACK_S):
+            log.warning("gRPC server not stopped %.0f s after its grace period; going on",
+                        STOP_SLACK_S)
         for thread in self._threads:
             thread.join(timeout=5)
         self.metrics.close()
@@ -194,7 +213,8 @@ class Daemon:
 
 
 def longest_stop_s(cfg: HicacheConfig) -> float:
-    """How long a SIGTERM can take to exit: in-flight calls (`STOP_GRACE_S`), the flush to
+    """How long a SIGTERM can take to exit: in-flight calls (`STOP_GRACE_S`, and at most
+    `STOP_SLACK_S` more for gRPC's own end), the flush to
     L3 (`server.shutdown_flush_s`), then closing, which waits for the L3 calls under way
     (`close_wait_s`: `storage.timeout_s` + 5 s, one deadline for every thread; a hung
     store takes that long). A supervisor's stop timeout (systemd's TimeoutStopSec, a pod's
@@ -202,7 +222,7 @@ def longest_stop_s(cfg: HicacheConfig) -> float:
     unlinks its shared memory (the next start then removes it)."""
     from hicache.controller.controller import close_wait_s
 
-    return STOP_GRACE_S + cfg.server.shutdown_flush_s + close_wait_s(cfg)
+    return STOP_GRACE_S + STOP_SLACK_S + cfg.server.shutdown_flush_s + close_wait_s(cfg)
 
 
 def _default_core(cfg: HicacheConfig, instance: str) -> CacheService:

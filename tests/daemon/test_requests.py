@@ -256,6 +256,59 @@ def test_a_body_that_is_no_valid_message_is_invalid_argument(daemon: Daemon) -> 
         assert c.serving()
 
 
+def test_an_error_quoting_a_long_input_keeps_its_code(daemon: Daemon) -> None:
+    """Messages quote the caller's strings (here a 20,000-character session id); past
+    gRPC's metadata limit the caller lost the status: RESOURCE_EXHAUSTED ("Stream
+    removed") instead of NOT_FOUND. Messages are cut to 1,024 characters."""
+    from hicache.interceptor import MAX_STATUS_MESSAGE
+
+    with daemon.client(engine_id="long-input", retries=0) as c:
+        with pytest.raises(NotFound) as info:
+            c.close_session("x" * 20_000)
+        assert "more characters)" in str(info.value)
+        assert len(str(info.value)) < MAX_STATUS_MESSAGE + 200
+
+
+def test_a_health_check_of_an_unknown_service_says_why(daemon: Daemon) -> None:
+    """The standard health service's NOT_FOUND carried no message."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(daemon.target) as channel, pytest.raises(grpc.RpcError) as info:
+        health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND
+    assert "no service named 'no.such.Service'" in info.value.details()
+
+
+def test_a_streaming_request_that_is_no_valid_message_is_refused_and_the_daemon_stops(
+        make_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Server reflection's request stream parsed by gRPC's own deserializer: a message
+    that did not parse answered INTERNAL with a traceback logged, and some such calls
+    never finished, so a SIGTERM waited for them forever (no flush, no exit)."""
+    import signal
+    import subprocess
+
+    import grpc
+
+    d = make_daemon()
+    method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    codes = set()
+    with grpc.insecure_channel(d.target) as channel:
+        for _ in range(10):  # (each call left a stuck one some of the time)
+            with pytest.raises(grpc.RpcError) as info:
+                list(channel.stream_stream(method)(iter([b"\x0a\x03\xff\xfe\xfd"]), timeout=10))
+            codes.add(info.value.code())
+            assert "not a valid message" in info.value.details()
+    assert codes == {grpc.StatusCode.INVALID_ARGUMENT}
+    try:
+        assert d.stop(signal.SIGTERM, timeout_s=15) == 0
+    except subprocess.TimeoutExpired:
+        d.stop(signal.SIGKILL)
+        pytest.fail("SIGTERM: the daemon did not exit in 15 s")
+    assert "Traceback" not in d.log()
+
+
 def test_matched_releases_both_handles_and_never_hides_the_body_error(daemon: Daemon) -> None:
     prompt = tokens(2 * PAGE, start=700_000)
     with daemon.client(engine_id="ctx") as c:
