@@ -36,10 +36,10 @@ _unexpected = ThrottledLog(log)
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
 
 
-# A status message travels in a trailer (percent-encoded: up to 3 bytes a character), and
+# A status message travels in a trailer, percent-encoded (up to 3 bytes a UTF-8 byte), and
 # gRPC drops trailers past its metadata limit (8 KiB): the caller then sees
 # RESOURCE_EXHAUSTED, not the status. Messages quote the caller's strings (a session id, a
-# namespace), so they are cut to this many characters.
+# namespace), so they are cut to this many UTF-8 bytes.
 MAX_STATUS_MESSAGE = 1024
 
 
@@ -53,10 +53,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def _bounded(message: str) -> str:
-    if len(message) <= MAX_STATUS_MESSAGE:
+    data = message.encode(errors="replace")
+    if len(data) <= MAX_STATUS_MESSAGE:
         return message
-    cut = len(message) - MAX_STATUS_MESSAGE
-    return f"{message[:MAX_STATUS_MESSAGE]}... ({cut} more characters)"
+    kept = data[:MAX_STATUS_MESSAGE].decode(errors="ignore")  # (never half a character)
+    return f"{kept}... ({len(message) - len(kept)} more characters)"
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -153,6 +154,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
             yield
         except GeneratorExit:  # a server stream its caller cancelled (or left)
             code = "CANCELLED"
+            raise
+        except grpc.RpcError:  # a request stream whose caller cancelled or let it expire
+            code = "CANCELLED"  # (the call is over: nothing to answer, no bug to log)
             raise
         except Exception as exc:
             status, message = op_status(exc, label)
