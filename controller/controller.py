@@ -623,6 +623,11 @@ class HybridCacheController(CacheService):
         if lock_id is None and allocation_id is None:
             raise InvalidArgument("release needs a lock_id or an allocation_id")
         with self._mu:
+            if lock_id is not None and allocation_id is not None:
+                # Both looked up first: an unknown one changes nothing (the wire sends one
+                # handle a Release; a Batch of two, or an in-process caller, may send both).
+                self._engines.lock(engine_id, lock_id)
+                self._engines.allocation(engine_id, allocation_id)
             if lock_id is not None:
                 record = self._engines.pop_lock(engine_id, lock_id)
                 self._request_moves_on(lock_id)

@@ -697,3 +697,19 @@ def test_a_request_that_matched_again_deeper_commits_its_allocation_under_the_ne
     assert ctl.heartbeat("e1").locks == 0 and ctl.heartbeat("e1").allocations == 0
     assert ctl.match("e1", MatchRequest("", tokens)).device_tokens == 16
     ctl.check_integrity()
+
+
+def test_a_release_of_two_handles_one_unknown_changes_nothing(make) -> None:
+    """A valid lock and an unknown allocation (or the reverse): NotFound, and the valid
+    handle still held. The lock used to be released before the allocation was found."""
+    ctl = make()
+    Engine(ctl).request(seq(4))
+    assert ctl.transfers.drain(10)  # (a write-through copy pins its node until it landed)
+    m = ctl.match("e1", MatchRequest("", seq(4) + seq(1, 900), lock=True, allocate_tokens=20))
+    for lock, alloc in ((m.lock_id, 99_999), (99_999, m.allocation_id)):
+        with pytest.raises(NotFound):
+            ctl.release("e1", lock, alloc)
+    ctl.check_integrity()
+    assert ctl.tree.locked_pages(Tier.DEVICE, ComponentKind.FULL) == 4  # the lock still holds
+    ctl.release("e1", m.lock_id, m.allocation_id)  # both there: both go
+    assert ctl.tree.locked_pages(Tier.DEVICE, ComponentKind.FULL) == 0
