@@ -625,7 +625,7 @@ class HybridCacheController(CacheService):
         with self._mu:
             if lock_id is not None and allocation_id is not None:
                 # Both looked up first: an unknown one changes nothing (the wire sends one
-                # handle a Release; a Batch of two, or an in-process caller, may send both).
+                # handle a Release; an in-process caller may send both).
                 self._engines.lock(engine_id, lock_id)
                 self._engines.allocation(engine_id, allocation_id)
             if lock_id is not None:

@@ -80,7 +80,8 @@ class EngineRegistry:
         if not engine_id:
             raise InvalidArgument("engine_id: must be a non-empty string")
         if len(engine_id) > MAX_SCOPED_ENGINE_ID:  # (the servicer holds ids sent to MAX_ENGINE_ID)
-            raise InvalidArgument(f"engine_id: {len(engine_id)} characters, at most {MAX_ENGINE_ID}")
+            raise InvalidArgument(f"engine_id: {len(engine_id)} characters, at most "
+                                  f"{MAX_SCOPED_ENGINE_ID} (with a token's label)")
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
         if len(instance_id) > MAX_ENGINE_ID:

@@ -323,8 +323,7 @@ class Transfers:
         not stop the eviction of a leaf: the slot then leaves the cache (`tree.evict`
         keeps a node with children, whose last copy it would be)."""
         self._backup_to_host_or_count(victim.node, "write-back")
-        if self.ctl.l3 is not None and self.tree.is_resident(victim.node, FULL, Tier.HOST):
-            self._maybe_l3([victim.node])
+        self._maybe_l3([victim.node])  # (nothing without an L3, or where L2 got nothing)
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
@@ -972,6 +971,8 @@ class Transfers:
         # What L2 holds goes down first: staging an L1-only slot into L2 may evict L2
         # slots, which (unless L2 -> L3 is write-back) leave unwritten. Once written they
         # leave safely (and a staged slot whose write is queued is held until it landed).
+        # The drain between: an evicted page a queued write holds frees only once it
+        # landed, and staging takes free L2 pages only (it never waits).
         with self.ctl._mu:
             for node in self.tree.iter_nodes():
                 if kinds := self.tree.slots_for_storage(node):

@@ -29,10 +29,12 @@ import yaml
 
 from hicache.endpoint import parse_address, split_host_port
 from hicache.errors import ConfigError, InvalidArgument
+from hicache.keys import chain_seed
 from hicache.types import (
     ComponentKind,
     EvictionPolicy,
     HostLayout,
+    PageHash,
     PrefetchPolicy,
     StorageBackendName,
     WritePolicy,
@@ -205,6 +207,11 @@ class ModelConfig:
             for m in self.members
         )
         return f"page{self.page_size};{pools}"
+
+    def chain_seed(self, namespace: str) -> PageHash:
+        """The page-hash chain's seed for `namespace` (`keys.chain_seed` of this model's
+        id, KV dtype and geometry): what every L3 key of the namespace continues from."""
+        return chain_seed(namespace, self.id, self.kv_dtype, self.geometry)
 
     def _page_bytes(self, kind: ComponentKind, per_token: int, state: int) -> int:
         return state if kind is ComponentKind.MAMBA else per_token * self.page_size

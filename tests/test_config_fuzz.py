@@ -302,18 +302,25 @@ def test_every_base_is_valid_and_every_key_is_reached() -> None:
     assert len(DOTTED) > 60
 
 
+def mutate_one(data: st.DataObject, bases: list[str], paths: dict[str, list[Path_]],
+               values: Any) -> None:
+    """Draw a base configuration, one of its `paths` and a value for it (`values(orig)`: a
+    strategy), and check the configuration with that value there."""
+    base = data.draw(st.sampled_from(bases), label="base")
+    path = data.draw(st.sampled_from(paths[base]), label="path")
+    value = data.draw(values(get_at(BASES[base], path)), label="value")
+    check_outcome(lambda: build_config(set_at(BASES[base], path, value)), path)
+
+
 @FUZZ
 @given(st.data())
 def test_one_key_mutated_to_any_value(data: st.DataObject) -> None:
-    base = data.draw(st.sampled_from(sorted(BASES)), label="base")
-    path = data.draw(st.sampled_from(PATHS[base]), label="path")
-    orig = get_at(BASES[base], path)
-    value = data.draw(st.one_of(VALUES, near(orig)), label="value")
-    raw = set_at(BASES[base], path, value)
-    check_outcome(lambda: build_config(raw), path)
+    mutate_one(data, sorted(BASES), PATHS, lambda orig: st.one_of(VALUES, near(orig)))
 
 
 LEAVES = {name: [p for p in paths if not isinstance(get_at(BASES[name], p), dict | list)] for name, paths in PATHS.items()}
+SECTION_PATHS = {name: [p for p in paths if isinstance(get_at(BASES[name], p), dict | list)]
+                 for name, paths in PATHS.items()}
 BOUNDARY = st.one_of(
     st.sampled_from(SPECIAL_INTS + SPECIAL_FLOATS + SPECIAL_TEXT),
     st.text(st.characters(exclude_categories=()), max_size=8),  # surrogates included
@@ -324,10 +331,7 @@ BOUNDARY = st.one_of(
 @given(st.data())
 def test_one_leaf_set_to_a_boundary_value(data: st.DataObject) -> None:
     """Every leaf to each special number and string (the values where parsing breaks)."""
-    base = data.draw(st.sampled_from(sorted(BASES)), label="base")
-    path = data.draw(st.sampled_from(LEAVES[base]), label="path")
-    value = data.draw(BOUNDARY, label="value")
-    check_outcome(lambda: build_config(set_at(BASES[base], path, value)), path)
+    mutate_one(data, sorted(BASES), LEAVES, lambda _orig: BOUNDARY)
 
 
 @FUZZ
@@ -347,11 +351,8 @@ def test_an_unknown_key_at_any_level(data: st.DataObject) -> None:
 def test_a_section_wrapped_or_stringified_never_shows_a_token(data: st.DataObject) -> None:
     """A section given in the wrong shape (a list of it, its YAML as a string) is an error
     about that section, and never prints the token it holds."""
-    base = data.draw(st.sampled_from(["rich", "wired", "wired/plain"]), label="base")
-    path = data.draw(st.sampled_from([p for p in PATHS[base] if isinstance(get_at(BASES[base], p), dict | list)]))
-    orig = get_at(BASES[base], path)
-    value = data.draw(st.sampled_from([[orig], yaml.safe_dump(orig), {"x": orig}, (orig,)]))
-    check_outcome(lambda: build_config(set_at(BASES[base], path, value)), path)
+    mutate_one(data, ["rich", "wired", "wired/plain"], SECTION_PATHS,
+               lambda orig: st.sampled_from([[orig], yaml.safe_dump(orig), {"x": orig}, (orig,)]))
 
 
 YAML_SCALARS = [

@@ -26,7 +26,7 @@ from hicache.bench.services import start_redis
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController, build_controller
-from hicache.keys import chain_hashes, chain_seed, split_hashes
+from hicache.keys import chain_hashes, split_hashes
 from hicache.tiers.storage.base import GetStatus
 from hicache.types import ComponentKind, Tier
 
@@ -69,7 +69,7 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
             l3 = ctl.l3
             assert l3 is not None
             members = cfg.model.family(FULL)
-            flat = chain_hashes(chain_seed("", cfg.model.id, cfg.model.kv_dtype, cfg.model.geometry), tokens, PAGE * 4)
+            flat = chain_hashes(cfg.model.chain_seed(""), tokens, PAGE * 4)
             keys = l3.keys("", split_hashes(flat), members)
             n_pages = len(keys)
             obj = ctl.host.object_bytes[members[0].name]

@@ -11,7 +11,7 @@ import numpy as np
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchOutcome, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController
-from hicache.keys import chain_hashes, chain_seed
+from hicache.keys import chain_hashes
 from hicache.types import ComponentKind, Tier
 
 MAMBA = ComponentKind.MAMBA
@@ -100,8 +100,7 @@ class Engine:
         self.checked = 0
 
     def hashes(self, tokens: bytes) -> list[bytes]:
-        blob = chain_hashes(chain_seed(self.ns, self.cfg.model.id, self.cfg.model.kv_dtype,
-                                       self.cfg.model.geometry), tokens, self.ps * 4)
+        blob = chain_hashes(self.cfg.model.chain_seed(self.ns), tokens, self.ps * 4)
         return [blob[i : i + 16] for i in range(0, len(blob), 16)]
 
     def pattern(self, page_hash: bytes, member: str, layer: int, size: int) -> np.ndarray:

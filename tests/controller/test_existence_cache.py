@@ -105,7 +105,7 @@ def test_a_written_run_keeps_its_head_most_recent(make) -> None:  # type: ignore
     from engine_sim import seq
 
     from hicache.controller.base import InsertRequest, MatchRequest
-    from hicache.keys import chain_hashes, chain_seed, split_hashes
+    from hicache.keys import chain_hashes, split_hashes
     from hicache.types import ComponentKind
 
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through")
@@ -117,7 +117,7 @@ def test_a_written_run_keeps_its_head_most_recent(make) -> None:  # type: ignore
     ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert ctl.transfers.drain(10)
     ps = ctl.cfg.model.page_size
-    flat = chain_hashes(chain_seed("", ctl.cfg.model.id, ctl.cfg.model.kv_dtype, ctl.cfg.model.geometry), tokens, ps * 4)
+    flat = chain_hashes(ctl.cfg.model.chain_seed(""), tokens, ps * 4)
     written = ctl.l3.keys("", split_hashes(flat), ctl.cfg.model.family(ComponentKind.FULL))
     order = list(ctl.l3.cache._present)  # (before known_run, which touches them again)
     assert set(written) <= set(order)
