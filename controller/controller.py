@@ -460,7 +460,8 @@ class HybridCacheController(CacheService):
             engine = self._engines.renew(engine_id)
             # A handle sent as 0 is looked up (and refused): 0 is never a handle.
             if req.allocation_id is not None:
-                self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
+                held = self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
+                self._check_growth(req.allocation_id, held, req.num_tokens)
                 grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
                 # Allocating may have waited with the mutex released: the allocation must
                 # still be there (a Release or a lapse meanwhile would orphan the pages).
@@ -489,6 +490,20 @@ class HybridCacheController(CacheService):
                 engine_id, req.namespace, req.num_tokens, start, engine
             )
             return AllocationInfo(alloc_id, pages)
+
+    def _check_growth(self, allocation_id: int, record: AllocationRecord, num_tokens: int) -> None:
+        """An allocation holds at most the pages of one request's tokens at once, however
+        many calls grew it (each call alone is checked by `_check_count`)."""
+        limit = self.cfg.server.max_tokens_per_request
+        most = -(-limit // self._ps)
+        held = len(record.pages[self._paged[0]])
+        more = -(-num_tokens // self._ps)
+        if held + more > most:
+            raise InvalidArgument(
+                f"num_tokens: growing allocation {allocation_id} by {more} pages would hold "
+                f"{held + more} pages; at most {most} ({limit} tokens, "
+                f"server.max_tokens_per_request)"
+            )
 
     def _free_allocation(self, record: AllocationRecord) -> None:
         for kind, ids in record.pages.items():

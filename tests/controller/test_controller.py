@@ -824,6 +824,30 @@ def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_
     assert ctl.close_session("s") == 0  # recently closed: a no-op
 
 
+def test_growing_an_allocation_is_bounded_by_one_requests_tokens_in_total(make) -> None:
+    """Each Allocate call is checked against server.max_tokens_per_request; so are the pages
+    an allocation holds after growing, however many calls grew it (one allocation could
+    otherwise take all of L1, a page per call). Pages an insert consumed count no more."""
+    ctl = make(storage__backend="none", server__max_tokens_per_request=16)  # 4 pages
+    eng = Engine(ctl)
+    a = ctl.match("e1", MatchRequest("", seq(3), lock=True, allocate_tokens=12))
+    grown = ctl.allocate("e1", AllocateRequest("", 4, allocation_id=a.allocation_id))
+    assert len(grown.pages["full"]) == 4
+    pools = ctl.stats().pools
+    with pytest.raises(InvalidArgument, match=r"allocation \d+ by 1 pages would hold 5 pages; "
+                                              r"at most 4 \(16 tokens"):
+        ctl.allocate("e1", AllocateRequest("", 1, allocation_id=a.allocation_id))
+    assert ctl.stats().pools == pools  # refused: nothing taken
+    assert ctl.heartbeat("e1").allocations == 1
+    eng.write(grown.pages, seq(2), 0)
+    ctl.insert("e1", InsertRequest("", seq(2), lock_id=a.lock_id, allocation_id=a.allocation_id,
+                                   keep_lock=True))  # consumes 2 pages
+    again = ctl.allocate("e1", AllocateRequest("", 8, allocation_id=a.allocation_id))
+    assert len(again.pages["full"]) == 4
+    ctl.release("e1", a.lock_id, a.allocation_id)
+    ctl.check_integrity()
+
+
 def prompts_in_l3_with_held_reads(make, n: int) -> tuple:  # type: ignore[no-untyped-def]
     """(controller, `n` prompts only in L3, gate, reading): the controller keeps one finished
     prefetch; its L3 reads wait for `gate` (`reading` is set when one starts)."""
