@@ -18,7 +18,9 @@ Release, CloseSession, Stats, Health, Flush) are retried a bounded number of tim
 UNAVAILABLE. The others (MatchPrefix, Allocate, Insert, Load, a Batch holding one of them)
 may have taken effect when the connection broke, so they are sent once (after a health
 check, retried the same way, when the connection failed last time); an UNAVAILABLE is
-raised.
+raised. A retry may follow an attempt that took effect and whose answer was lost: a
+Release then answers NOT_FOUND, which counts as released (also in a Batch), and a
+CloseSession answers what the lost attempt did (the daemon's close is idempotent).
 
 With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
 pools' device (`sync=False` skips it, `sync=event` waits for that CUDA event only): the
@@ -98,6 +100,7 @@ FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for 
 
 # Batch ops that are safe to send again (the daemon answers a repeat the same way, or
 # NotFound for a handle the first attempt released).
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 _REPEATABLE_OPS = frozenset({"attach", "heartbeat", "prefetch_status", "cancel_prefetch",
                              "release", "close_session", "stats"})
 
@@ -197,6 +200,13 @@ class Client:
         after a retry means the attempt before it released the handle: done). Otherwise
         sent once, after `_reach` when the connection failed last time: a call that may
         have reached the daemon is never sent twice."""
+        return self._attempts(fn, request, repeatable=repeatable, released_ok=released_ok,
+                              timeout_s=timeout_s)[0]
+
+    def _attempts(self, fn: Callable[..., T], request: Any, *, repeatable: bool,
+                  released_ok: bool = False, timeout_s: float | None = None) -> tuple[T, bool]:
+        """`_call`, and whether the answer came from a retry (an attempt before it may
+        have taken effect, its answer lost)."""
         delay = 0.05
         if not repeatable:
             if not self._reached:
@@ -208,16 +218,16 @@ class Client:
                     self._reached = False
                 raise from_rpc_error(e) from None
             self._reached = True
-            return out
+            return out, False
         for attempt in range(self.retries + 1):
             try:
                 out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
                 self._reached = True
-                return out
+                return out, attempt > 0
             except grpc.RpcError as e:
                 if released_ok and attempt and e.code() is grpc.StatusCode.NOT_FOUND:
                     self._reached = True
-                    return None  # type: ignore[return-value]
+                    return None, True  # type: ignore[return-value]
                 if e.code() in RETRYABLE:
                     self._reached = False
                 if e.code() not in RETRYABLE or attempt == self.retries:
@@ -433,14 +443,19 @@ class Client:
         if any(op.WhichOneof("op") in ("insert", "release") for op in ops):
             self._sync(sync)
         repeatable = all(op.WhichOneof("op") in _REPEATABLE_OPS for op in ops)
-        r = self._call(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
+        r, retried = self._attempts(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
+        if len(r.results) != len(ops):
+            raise HicacheError(f"Batch: the daemon answered {len(r.results)} results for "
+                               f"{len(ops)} ops")
         out: list[Any] = []
-        for result in r.results:
+        for op, result in zip(ops, r.results, strict=True):
             kind = result.WhichOneof("result")
-            if kind == "status":
-                out.append(op_error(result.status.code, result.status.message))
-            else:
+            if kind != "status":
                 out.append(_RESULT_READERS[kind](getattr(result, kind)))
+            elif retried and op.WhichOneof("op") == "release" and result.status.code == _NOT_FOUND:
+                out.append(None)  # released by the attempt whose answer was lost (as `release`)
+            else:
+                out.append(op_error(result.status.code, result.status.message))
         return out
 
     def _sync(self, sync: Sync) -> None:

@@ -21,7 +21,7 @@ from hicache.tree.components import FULL_INDEX, Component, build_components
 from hicache.tree.eviction import EvictionQueue
 from hicache.tree.node import LOW_TIERS, PAGED_TIERS, PARTIAL, Node
 from hicache.tree.results import NOTHING, EvictResult, InsertResult, MatchResult, TreeLock, Victim
-from hicache.tree.sessions import SessionTable
+from hicache.tree.sessions import Session, SessionTable
 from hicache.types import ComponentKind, EvictionPolicy, Tier
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -1256,16 +1256,20 @@ class HiRadixTree:
                     self._queues[tier][comp.index].offer(end, force=True)
 
     def close_session(self, session_id: str) -> int:
-        """Drop the session's references (not its data); returns how many nodes it
-        referenced. A recently closed session returns 0; an unknown one is NotFound."""
-        try:
-            session = self._sessions.close(session_id)
-        except KeyError:
-            raise NotFound(f"session {session_id!r} is not open") from None
-        if session is None or session.end is None:
-            return 0
-        self._session_refs(session.end, -1)
-        return session.end.depth
+        """Drop the session's references (not its data); returns how many pages deep the
+        path it referenced was. Idempotent: a recently closed session returns that number again and
+        changes nothing; an unknown one is NotFound."""
+
+        def drop(session: Session) -> int:
+            if session.end is None:
+                return 0
+            self._session_refs(session.end, -1)
+            return session.end.depth
+
+        released = self._sessions.close(session_id, drop)
+        if released is None:
+            raise NotFound(f"session {session_id!r} is not open")
+        return released
 
     # ------------------------------------------------------------------ integrity
 

@@ -2,15 +2,17 @@
 
 Generations come from one counter for the whole tree, so a session closed and reopened
 never sees the generation it had before: a late request (matched under the old
-generation) cannot restore references after close/reopen. A bounded set of closed
-sessions makes a second CloseSession of a recently closed session a no-op rather than
-NOT_FOUND.
+generation) cannot restore references after close/reopen. A bounded record of closed
+sessions makes CloseSession idempotent: closing a recently closed session again changes
+nothing and returns what the first close returned (a caller that retries after a lost
+answer gets that answer, not 0 or NOT_FOUND).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache.tree.node import Node
@@ -25,7 +27,7 @@ class Session:
 class SessionTable:
     def __init__(self, max_closed: int) -> None:
         self._open: dict[str, Session] = {}
-        self._closed: OrderedDict[str, int] = OrderedDict()
+        self._closed: OrderedDict[str, int] = OrderedDict()  # session id -> what its close returned
         self._gens = itertools.count(1)
         self._max_closed = max_closed
 
@@ -47,18 +49,17 @@ class SessionTable:
             return None
         return session
 
-    def close(self, session_id: str) -> Session | None:
-        """Remove an open session and return it; None if it was closed recently.
-        Raises KeyError when the session is unknown."""
+    def close(self, session_id: str, drop: Callable[[Session], int]) -> int | None:
+        """Close an open session: `drop(session)` releases its references and says how
+        many; that answer is remembered and returned again for a recently closed session.
+        None when the session is neither open nor recently closed."""
         session = self._open.pop(session_id, None)
         if session is None:
-            if session_id in self._closed:
-                return None
-            raise KeyError(session_id)
-        self._closed[session_id] = session.generation
+            return self._closed.get(session_id)
+        released = self._closed[session_id] = drop(session)
         while len(self._closed) > self._max_closed:
             self._closed.popitem(last=False)
-        return session
+        return released
 
     def sessions(self) -> list[Session]:
         return list(self._open.values())

@@ -117,6 +117,41 @@ def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon)
         proxy.close()
 
 
+def test_a_retry_after_a_lost_answer_answers_as_the_lost_attempt_did(make_daemon: MakeDaemon) -> None:
+    """Calls safe to repeat are retried after a lost answer; the retry's answer is the lost
+    one's: a Batch's Releases are done (None, not NotFound: the lost attempt released
+    them), a CloseSession gives the references the lost attempt released (not 0)."""
+    from hicache.client import close_session_op, release_op
+
+    port = free_port()
+    make_daemon(listen=f"127.0.0.1:{port}")
+    proxy = CutProxy(port)
+    try:
+        with make_client(proxy.port) as c:
+            c.attach(map_pools=False)
+            for session, start in (("chat-a", 3_100), ("chat-b", 3_300)):
+                prompt = tokens(2 * PAGE, start=start)
+                m = c.match(prompt, lock=True, allocate_tokens=2 * PAGE, session_id=session)
+                c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
+            proxy.armed = 1
+            assert c.close_session("chat-a") == 2  # the path's pages, as the lost answer said
+            assert proxy.cuts == 1
+            held = c.match(tokens(2 * PAGE, start=3_500), lock=True, allocate_tokens=2 * PAGE)
+            proxy.armed = 1
+            done = c.batch([release_op(lock_id=held.lock_id),
+                            release_op(allocation_id=held.allocation_id),
+                            close_session_op("chat-b")])
+            assert proxy.cuts == 2
+            assert done == [None, None, 2]
+            hb = c.heartbeat()
+            assert (hb.locks, hb.allocations) == (0, 0)
+            # Without a lost answer a second Release is still NotFound.
+            (again,) = c.batch([release_op(lock_id=held.lock_id)])
+            assert isinstance(again, NotFound)
+    finally:
+        proxy.close()
+
+
 def make_client(port: int):  # type: ignore[no-untyped-def]
     from hicache.client import Client
 

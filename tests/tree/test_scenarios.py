@@ -213,7 +213,7 @@ def test_session_references_reorder_eviction_and_close_drops_them() -> None:
     assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [2]  # referenced goes last
     tree.insert("", seq(40, 4), {FULL: ids(2)})
     assert tree.close_session("s1") == 1
-    assert tree.close_session("s1") == 0  # recently closed: a no-op
+    assert tree.close_session("s1") == 1  # recently closed: the same answer, nothing changed
     with pytest.raises(NotFound):
         tree.close_session("never-opened")
     assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [1]  # plain LRU again
