@@ -185,8 +185,13 @@ class Prefetcher:
         when nothing could be reserved."""
         cfg = self.ctl.cfg
         ps = cfg.model.page_size
-        n = min(len(hashes) // PAGE_HASH_BYTES, self.budget_left())
-        if n <= 0:
+        want = len(hashes) // PAGE_HASH_BYTES
+        n = min(want, self.budget_left())
+        if n <= 0 or (n < want and len(self.tree.components) > 1):
+            # A hybrid model's `hashes` end at a boundary L3 can resume from (the caller
+            # chose it under the budget it read without the mutex); cut shorter (another
+            # prefetch reserved meanwhile), they would end where no checkpoint or window
+            # is: every read wasted, the op FAILED with nothing reusable.
             self.ctl.counters["prefetch_refused_budget"] += 1
             return 0
         # Pinned before reserving: the reservation evicts L2, and `tail` may lie past the

@@ -5,6 +5,7 @@ lies only in L3: what the match reports, what the prefetch brings, what it repor
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from engine_sim import Engine, evict_all, flushed, seq, wait_prefetch
@@ -139,3 +140,66 @@ def test_l3_pages_beyond_the_tree_are_fetched_when_l3_lost_the_trees_own_part(
         ctl.release("e1", m.lock_id, None)
     after = ctl.match("e1", MatchRequest("", seq(12)))
     assert after.device_tokens + after.host_tokens == 48
+
+
+def _two_boundaries_only_in_l3(make, **sets):  # type: ignore[no-untyped-def]
+    """A hybrid controller whose L3 alone holds `seq(8)` with checkpoints at pages 4 and 8,
+    and a prefetch budget of 6 pages (`prefetch_fraction` of 128 L2 pages)."""
+    ctl = make(hybrid=True, tiers__l2__prefetch_fraction=0.05, **THROUGH, **sets)
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    eng.request(seq(8))
+    flushed(ctl, seq(8))
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    assert ctl.prefetcher.budget_left() == 6
+    return ctl, eng
+
+
+def test_a_hybrid_prefetch_over_the_budget_stops_at_a_boundary_it_can_resume(make) -> None:
+    """8 pages in L3, a budget of 6: the prefetch fetches up to the checkpoint at page 4
+    (page 6 has none), and that boundary is reusable."""
+    ctl, eng = _two_boundaries_only_in_l3(make)
+    m = ctl.match("e1", MatchRequest("", seq(8), lock=True, prefetch=True))
+    assert m.storage_tokens == 32 and m.prefetch_id
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 16
+    ctl.release("e1", m.lock_id, None)
+    again = ctl.match("e1", MatchRequest("", seq(8), lock=True))
+    assert again.device_tokens + again.host_tokens == 16
+    *_, last = ctl.load("e1", again.lock_id)
+    eng.verify(last.device_pages, seq(8), last.device_tokens // 4)
+    ctl.release("e1", again.lock_id, None)
+
+
+def test_a_hybrid_prefetch_whose_budget_shrank_after_the_match_read_it_is_refused(
+        make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The match reads the budget without the mutex and picks a boundary under it; when
+    another prefetch reserves in between, the op used to be cut to the smaller budget, at
+    a page with no checkpoint: every read wasted, FAILED with 0 tokens ready. It is
+    refused (`prefetch_refused_budget`) and reads nothing."""
+    ctl, _ = _two_boundaries_only_in_l3(make)
+    seen = iter([100, 6])  # the match's read, then start_op's under the mutex
+    monkeypatch.setattr(ctl.prefetcher, "budget_left", lambda: next(seen))
+    refused = ctl.counters["prefetch_refused_budget"]
+    read = ctl.stats().l3[0].bytes_read
+    m = ctl.match("e1", MatchRequest("", seq(8), lock=True, prefetch=True))
+    assert m.storage_tokens == 32
+    assert m.prefetch_id == 0
+    assert ctl.counters["prefetch_refused_budget"] == refused + 1
+    time.sleep(0.2)  # (an op started would read at once)
+    assert ctl.stats().l3[0].bytes_read == read
+    ctl.release("e1", m.lock_id, None)
+
+
+def test_a_full_only_prefetch_over_the_budget_fetches_the_budget(make) -> None:
+    """FULL alone: any page is a boundary, so the op is cut to the budget (6 of 8 pages)."""
+    ctl = make(tiers__l2__prefetch_fraction=0.05, **THROUGH)
+    eng = Engine(ctl)
+    eng.request(seq(8))
+    flushed(ctl, seq(8))
+    evict_all(ctl, Tier.DEVICE, Tier.HOST)
+    m = ctl.match("e1", MatchRequest("", seq(8), lock=True, prefetch=True))
+    assert m.storage_tokens == 32 and m.prefetch_id
+    assert wait_prefetch(ctl, m.prefetch_id) is PrefetchState.DONE
+    assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 24
+    ctl.release("e1", m.lock_id, None)
