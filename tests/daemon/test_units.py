@@ -114,13 +114,16 @@ def test_the_client_synchronizes_its_cuda_pools_device_before_insert_and_release
     client = Client("unix:///nonexistent/hicache.sock", engine_id="e")
     sent: list[str] = []
 
-    def call(fn: object, request: object, **_kw: object) -> object:
+    def call(fn: object, request: object, **_kw: object) -> tuple[object, bool]:
         sent.append(type(request).__name__)
-        if isinstance(request, pb.BatchRequest):
-            return pb.BatchResponse()
-        return pb.InsertResponse() if isinstance(request, pb.InsertRequest) else pb.ReleaseResponse()
+        if isinstance(request, pb.BatchRequest):  # (each op answered with an empty response)
+            return pb.BatchResponse(results=[pb.BatchResult(**{op.WhichOneof("op"): {}})
+                                             for op in request.ops]), False
+        if isinstance(request, pb.InsertRequest):
+            return pb.InsertResponse(), False
+        return pb.ReleaseResponse(), False
 
-    monkeypatch.setattr(client, "_call", call)
+    monkeypatch.setattr(client, "_attempts", call)
     try:
         client.insert(tokens(1), lock_id=1)
         assert synced == []  # no CUDA pools mapped
@@ -497,3 +500,17 @@ def test_a_lapsed_lease_that_held_nothing_is_not_a_warning(tmp_path: Path, caplo
         assert ctl.counters["leases_expired"] == 2 and ctl.counters["lease_released_allocations"] == 1
     finally:
         ctl.close()
+
+
+def test_a_batch_answered_with_fewer_results_than_ops_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Results pair with ops by position: a reply with another count (a daemon of another
+    version, a broken proxy) would pair them wrongly or silently drop ops' results."""
+    client = Client("unix:///nonexistent/hicache.sock", engine_id="e")
+    monkeypatch.setattr(client, "_attempts", lambda fn, request, **_kw: (pb.BatchResponse(), False))
+    try:
+        with pytest.raises(errors.HicacheError, match="answered 0 results for 2 ops"):
+            client.batch([release_op(lock_id=1), release_op(lock_id=2)])
+    finally:
+        client.close()
