@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from hicache.config import HicacheConfig, load_config, to_plain
+from hicache.config import HicacheConfig, load_config, one_line, to_plain
 from hicache.endpoint import parse_address
 from hicache.errors import ConfigError, HicacheError
 
@@ -98,7 +98,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
 
 def _serve_overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set)
-    if args.listen:
+    if args.listen is not None:  # ('' too: an unset variable must not mean the default)
         # As a quoted YAML string: an address is taken literally ('[::1]:50051' is a
         # YAML list, ' #' starts a comment).
         overrides.append(f"server.listen={json.dumps(args.listen)}")
@@ -130,7 +130,8 @@ def _render_health(report: dict[str, Any]) -> str:
     lines = [f"daemon at {report['target']}: {'SERVING' if report['serving'] else 'NOT_SERVING'}"]
     for b in report["backends"]:
         state = "healthy" if b["healthy"] else "UNHEALTHY"
-        lines.append(f"  {b['name']}: {state} {b['latency_ms']:.1f} ms {b['detail']}".rstrip())
+        latency = "? ms" if b["latency_ms"] is None else f"{b['latency_ms']:.1f} ms"
+        lines.append(f"  {b['name']}: {state} {latency} {b['detail']}".rstrip())
     if "note" in report:
         lines.append(f"  ({report['note']})")
     elif not report["backends"]:
@@ -180,15 +181,30 @@ def _ca(args: argparse.Namespace) -> bytes | None:
             path = server.tls_cert
     if path is None:
         return None
-    with open(path, "rb") as fh:
-        return fh.read()
+    return _read(path, "--ca-file" if args.ca_file is not None else "server.tls_cert")
 
 
 def _token(args: argparse.Namespace) -> str | None:
     if not args.token_file:
         return None
-    with open(args.token_file) as fh:
-        return fh.read().strip()
+    data = _read(args.token_file, "--token-file")
+    token = data.decode(errors="replace").strip()  # (empty: no token, as without the option)
+    if not token.isascii() or not token.isprintable():  # (never printed)
+        raise UsageError(f"--token-file {one_line(args.token_file)}: the token must be one "
+                         "line of printable ASCII (a bearer token)")
+    return token or None
+
+
+def _read(path: str, what: str) -> bytes:
+    """A file named by `what` (an option or a configuration key); a usage error (exit 2)
+    naming it when it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise UsageError(f"{what} {one_line(path)}: {e.strerror}") from None
+    except ValueError as e:  # a NUL in the name
+        raise UsageError(f"{what} {one_line(path)}: {e}") from None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -298,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
         # A file named on the command line or in the config (certificate, token).
-        print(f"hicache: {e.filename}: {e.strerror}", file=sys.stderr)
+        print(f"hicache: {one_line(str(e.filename))}: {e.strerror}", file=sys.stderr)
         return 2
 
 

@@ -149,6 +149,9 @@ class Client:
         `on_detached(error)`: called (on the heartbeat thread) when the daemon no longer
         knows this engine."""
         endpoint = parse_address(target)
+        if token and not (token.isascii() and token.isprintable()):
+            # (gRPC would fail every call with INTERNAL "Invalid metadata", after connecting)
+            raise InvalidArgument("token: printable ASCII only, one line (value hidden)")
         if tls is None:
             tls = root_certificates is not None or not (endpoint.is_unix or endpoint.is_loopback)
         if tls and endpoint.is_unix:

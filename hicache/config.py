@@ -17,6 +17,7 @@ import functools
 import math
 import os
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -145,7 +146,7 @@ class ModelConfig:
             if not _MEMBER_NAME.fullmatch(name):
                 # (names a shared-memory segment and every L3 key of the member)
                 raise ConfigError(
-                    f"{path}.sidecars: name {name!r} must be 1-32 ASCII letters, digits, '_' or '-'"
+                    f"{path}.sidecars: name {_brief(name)} must be 1-32 ASCII letters, digits, '_' or '-'"
                 )
             if name in {k.value for k in ComponentKind}:
                 raise ConfigError(f"{spath}: a sidecar may not take a component's name ({name!r})")
@@ -360,7 +361,7 @@ class MooncakeStorageConfig:
 
     def _validate(self, path: str) -> None:
         if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"{path}.protocol: {self.protocol!r} is not one of ['rdma', 'tcp']")
+            raise ConfigError(f"{path}.protocol: {_brief(self.protocol)} is not one of ['rdma', 'tcp']")
         _positive(self.global_segment_size, f"{path}.global_segment_size")
         _positive(self.local_buffer_size, f"{path}.local_buffer_size")
 
@@ -375,7 +376,7 @@ class RedisStorageConfig:
     def _validate(self, path: str) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             scheme, sep, _ = self.url.partition("://")  # (not the URL: it may hold a password)
-            got = f"scheme {_key_text(scheme)}" if sep else "no scheme"
+            got = f"scheme {one_line(scheme)}" if sep else "no scheme"
             raise ConfigError(
                 f"{path}.url: must start with redis://, rediss:// or unix:// (got {got})"
             )
@@ -451,7 +452,7 @@ class ServerConfig:
             mode = int(self.socket_mode, 8)
         except ValueError:
             raise ConfigError(
-                f"{path}.socket_mode: {self.socket_mode!r} is not an octal mode like '0660'"
+                f"{path}.socket_mode: {_brief(self.socket_mode)} is not an octal mode like '0660'"
             ) from None
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"{path}.socket_mode: {self.socket_mode!r} is out of range")
@@ -632,14 +633,17 @@ def load_config(
     if path is None:
         text, source = default_config_text(), "embedded hicache.yaml"
     else:
+        source = one_line(os.fspath(path))
         try:
-            text, source = Path(path).read_text(encoding="utf-8"), str(path)
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
-            raise ConfigError(f"cannot read configuration file {path}: {e.strerror}") from None
+            raise ConfigError(f"cannot read configuration file {source}: {e.strerror}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(
-                f"cannot read configuration file {path}: not UTF-8 (byte {e.start})"
+                f"cannot read configuration file {source}: not UTF-8 (byte {e.start})"
             ) from None
+        except ValueError as e:  # a NUL in the name
+            raise ConfigError(f"cannot read configuration file {source}: {e}") from None
     raw = parse_yaml(text, source)
     for item in overrides:
         apply_override(raw, item)
@@ -743,24 +747,24 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {_key_text(item)}: expected KEY=VALUE with a dotted key")
+        raise ConfigError(f"--set {one_line(item)}: expected KEY=VALUE with a dotted key")
     parts = key.split(".")
     if not all(parts):
-        raise ConfigError(f"--set {_key_text(key)}: a dotted key has an empty part")
+        raise ConfigError(f"--set {one_line(key)}: a dotted key has an empty part")
     node = raw
     for i, part in enumerate(parts[:-1]):
         nxt = node.get(part)
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"--set {_key_text(key)}: {_key_text('.'.join(parts[: i + 1]))} "
+            raise ConfigError(f"--set {one_line(key)}: {one_line('.'.join(parts[: i + 1]))} "
                               "is not a section")
         node = nxt
     try:  # (the file's loader: a duplicate key is refused here too)
         node[parts[-1]] = _load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
         shown = "(value hidden)" if _may_hold_secret(key) else repr(value)
-        raise ConfigError(f"--set {_key_text(key)}: value {shown} is not valid YAML: "
+        raise ConfigError(f"--set {one_line(key)}: value {shown} is not valid YAML: "
                           f"{_yaml_problem(e)}") from None
 
 
@@ -772,12 +776,12 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
     if storage is None:  # (an empty `storage:` means the defaults)
         storage = raw["storage"] = {}
     if not isinstance(storage, dict):
-        raise ConfigError(f"storage: expected a mapping, got {storage!r}")
+        raise ConfigError(f"storage: expected a mapping, got {_brief(storage)}")
     section = storage.get("mooncake")
     if section is None:
         section = storage["mooncake"] = {}
     if not isinstance(section, dict):
-        raise ConfigError(f"storage.mooncake: expected a mapping, got {section!r}")
+        raise ConfigError(f"storage.mooncake: expected a mapping, got {_brief(section)}")
     for key, var in MOONCAKE_ENV.items():
         if var in env and section.get(key) in (None, ""):
             value: Any = env[var]
@@ -785,7 +789,7 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
                 try:
                     value = int(value)
                 except ValueError:
-                    raise ConfigError(f"{var}: {value!r} is not an integer byte count") from None
+                    raise ConfigError(f"{var}: {_brief(value)} is not an integer byte count") from None
             section[key] = value
 
 
@@ -813,7 +817,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
         fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
         unknown = sorted(set(value) - set(fields), key=str)
         if unknown:
-            key = "(a key, hidden)" if _secret(path) else _key_text(unknown[0])
+            key = "(a key, hidden)" if _secret(path) else one_line(unknown[0])
             raise ConfigError(f"{_join(path, key)}: unknown key; allowed: {sorted(fields)}")
         # An explicit `key: null` on a field that is not optional means "the default" (the
         # reference hicache.yaml uses it for keys that the environment may supply).
@@ -840,7 +844,7 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: expected a mapping, got {_show(value, shown)}")
         key_tp, val_tp = typing.get_args(tp)
         return {
-            _build(key_tp, k, path): _build(val_tp, v, _join(path, _key_text(k)))
+            _build(key_tp, k, path): _build(val_tp, v, _join(path, one_line(k)))
             for k, v in value.items()
         }
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -881,6 +885,8 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             value.encode()
         except UnicodeEncodeError:
             raise ConfigError(f"{shown}: not valid Unicode text (a lone surrogate)") from None
+        if "\x00" in value:  # (YAML's "\0": no file name, address or id holds one)
+            raise ConfigError(f"{shown}: holds a NUL character")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
 
@@ -902,7 +908,7 @@ def ratio_of(count: int, ratio: float) -> int:
 
 def _host_port(value: str, path: str, problem: str) -> None:
     if split_host_port(value) is None:  # (the rule the daemon and the CLI parse by)
-        raise ConfigError(f"{path}: {value!r} {problem}")
+        raise ConfigError(f"{path}: {_brief(value)} {problem}")
 
 
 MAX_INT = (1 << 63) - 1
@@ -925,9 +931,9 @@ def _number_text(value: int) -> str:
     return text if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
 
 
-def _key_text(key: object) -> str:
-    """A key as a message shows it: as written, or quoted when it is not printable (a
-    newline in a key would split the one-line error)."""
+def one_line(key: object) -> str:
+    """A key or file name as a message shows it: as written, or quoted when it is not
+    printable (a newline in it would split the one-line error)."""
     text = str(key)
     return text if text.isprintable() else repr(text)
 
@@ -945,7 +951,20 @@ def _show(value: Any, path: str = "") -> str:
         return f"{type(value).__name__} (value hidden)"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{_number_text(value)} (int)"
-    return f"{value!r} ({type(value).__name__})"
+    return f"{_brief(value)} ({type(value).__name__})"
+
+
+# How a value shows in a message: bounded, however large (YAML aliases can make a 2 KB
+# file hold a list of 9**10 strings, shared: a plain repr would never finish).
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 3
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 6
+_SHOWN.maxstring = _SHOWN.maxother = 160
+
+
+def _brief(value: object) -> str:
+    """`repr(value)`, bounded (see `_SHOWN`)."""
+    return _SHOWN.repr(value)
 
 
 def _secret(path: str) -> bool:
@@ -977,7 +996,7 @@ def _positive(value: float, path: str) -> None:
 
 def _zero(value: float, path: str, kind: str) -> None:
     if value:
-        raise ConfigError(f"{path}: not used by a {kind} component (got {value!r})")
+        raise ConfigError(f"{path}: not used by a {kind} component (got {_brief(value)})")
 
 
 def to_plain(cfg: Any) -> Any:

@@ -10,7 +10,7 @@ stay `bytes` end to end.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from hicache.controller.base import (
     PrefetchState,
     StatsSnapshot,
 )
-from hicache.errors import InvalidArgument
+from hicache.errors import FailedPrecondition, InvalidArgument
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.tiers.base import PoolDescriptor, PoolKind
@@ -40,6 +40,7 @@ from hicache.types import ComponentKind
 
 TOKEN_DTYPE = np.dtype("<u4")
 PAGE_ID_DTYPE = np.dtype("<i4")  # MemberPages.page_ids on the wire (-1: an SWA page outside the window)
+_T = TypeVar("_T")
 TIERS = {"device": pb.DEVICE, "host": pb.HOST, "storage": pb.STORAGE}
 TIER_NAMES = {v: k for k, v in TIERS.items()}
 _POOL_KINDS = {PoolKind.SHM: pb.SHM, PoolKind.CUDA_IPC: pb.CUDA_IPC}
@@ -47,6 +48,18 @@ _POOL_KIND_NAMES = {v: k for k, v in _POOL_KINDS.items()}
 _STATES = {s: getattr(pb, s.value) for s in PrefetchState}
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
 _TIER_COUNTS = ("hit_tokens", "evictions", "backups")
+
+
+def _known(names: Mapping[Any, _T], value: int, what: str) -> _T:
+    """An enum value the daemon sent, by name; one this client does not know (a newer
+    daemon's) is a clear error rather than a KeyError."""
+    try:
+        return names[value]
+    except KeyError:
+        raise FailedPrecondition(
+            f"the daemon sent {what} {value}, which this client does not know "
+            "(a newer daemon? update hicache on this side)"
+        ) from None
 _PREFETCH_OUTCOMES = ("running", "done", "cancelled", "timed_out", "failed")
 _SINGLE_COUNTS = ("lookups", "l3_errors", "expired_leases")
 # Counter keys the core may use for the same figure (first one canonical).
@@ -162,7 +175,7 @@ def pool_to_pb(d: PoolDescriptor, tp_rank: int) -> pb.Pool:
 def pool_from_pb(p: pb.Pool) -> PoolDescriptor:
     return PoolDescriptor(
         member=p.member,
-        kind=_POOL_KIND_NAMES[p.kind],
+        kind=_known(_POOL_KIND_NAMES, p.kind, "pool kind"),
         handle=p.handle,
         device=p.device,
         num_pages=p.num_pages,
@@ -281,7 +294,7 @@ def prefetch_to_pb(p: PrefetchInfo) -> pb.PrefetchStatusResponse:
 
 def prefetch_from_pb(r: pb.PrefetchStatusResponse) -> PrefetchInfo:
     return PrefetchInfo(
-        state=_STATE_NAMES[r.state], tokens_ready=r.tokens_ready, tokens_total=r.tokens_total
+        state=_known(_STATE_NAMES, r.state, "prefetch state"), tokens_ready=r.tokens_ready, tokens_total=r.tokens_total
     )
 
 
@@ -393,7 +406,7 @@ def stats_from_pb(r: pb.StatsResponse) -> StatsSnapshot:
     )
     pools = tuple(
         PoolUsage(
-            tier=TIER_NAMES[p.tier],
+            tier=TIER_NAMES.get(p.tier, f"tier{p.tier}"),  # (a newer daemon's tier: shown as such)
             member=p.member,
             capacity_pages=p.capacity_pages,
             used_pages=p.used_pages,

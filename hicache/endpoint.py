@@ -14,6 +14,7 @@ import ipaddress
 import os
 import re
 import stat
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +36,12 @@ class Endpoint:
 
     @property
     def target(self) -> str:
-        """The gRPC target string for this address (client and server side)."""
-        return f"unix://{self.path}" if self.path is not None else f"{self.host}:{self.port}"
+        """The gRPC target string for this address (client and server side). gRPC reads
+        a unix target as a URI: the path is percent-encoded, or a '#' or '?' in it would
+        end it for the client (the server binds it whole) and a '%41' would bind 'A'."""
+        if self.path is not None:
+            return f"unix://{urllib.parse.quote(str(self.path), safe='/')}"
+        return f"{self.host}:{self.port}"
 
     @property
     def is_loopback(self) -> bool:
@@ -92,6 +97,12 @@ def _socket_path(address: str) -> Path:
         raise InvalidArgument(f"{address!r}: a unix socket address is unix:///absolute/path")
     if path.endswith("/"):
         raise InvalidArgument(f"{address!r}: names a directory, not a socket file")
+    if "\x00" in path:
+        raise InvalidArgument(f"{address!r}: a socket path holds no NUL character")
+    try:
+        path.encode()
+    except UnicodeEncodeError:  # (bytes of another encoding, as argv hands them over)
+        raise InvalidArgument(f"{address!r}: the socket path is not UTF-8 text") from None
     size = len(os.fsencode(path))
     if size > MAX_SOCKET_PATH_BYTES:
         raise InvalidArgument(

@@ -8,6 +8,7 @@ for, the standard health check alone decides (its per-backend report is not show
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from typing import Any
 
@@ -51,9 +52,18 @@ def health_report(target: str, deep: bool, token: str | None = None,
         except HicacheError as e:
             report["error"] = str(e)
             return report, EXIT_UNHEALTHY
-    report["backends"] = [asdict(b) for b in backends]
+    report["backends"] = [_backend(b) for b in backends]
     healthy = serving and all(b.healthy for b in backends)
     return report, EXIT_OK if healthy else EXIT_UNHEALTHY
+
+
+def _backend(b: Any) -> dict[str, Any]:
+    """One backend's report; a latency that is no number (NaN, infinite: from a daemon
+    that sent junk) is null, so that `--json` stays JSON."""
+    out = asdict(b)
+    if not math.isfinite(out["latency_ms"]):
+        out["latency_ms"] = None
+    return out
 
 
 def stats_report(target: str, token: str | None = None,
@@ -63,6 +73,9 @@ def stats_report(target: str, token: str | None = None,
             snap = client.stats()
     except Unavailable as e:
         return {"target": target, "reachable": False, "error": str(e)}, EXIT_UNREACHABLE
+    except Unauthenticated as e:
+        return {"target": target, "reachable": True,
+                "error": f"{e}; stats need a valid --token-file"}, EXIT_UNHEALTHY
     except HicacheError as e:
         return {"target": target, "reachable": True, "error": str(e)}, EXIT_UNHEALTHY
     return {

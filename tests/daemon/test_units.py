@@ -514,3 +514,11 @@ def test_a_batch_answered_with_fewer_results_than_ops_is_a_clear_error(
             client.batch([release_op(lock_id=1), release_op(lock_id=2)])
     finally:
         client.close()
+
+
+def test_an_enum_value_this_client_does_not_know_is_a_clear_error() -> None:
+    """A newer daemon may send a prefetch state or pool kind this build lacks: a
+    FailedPrecondition that says so, not a KeyError. (A pool in an unknown tier is shown
+    as `tier<N>` by Stats: tests/test_cli_fuzz.py.)"""
+    with pytest.raises(errors.FailedPrecondition, match="prefetch state 99, which this client does not know"):
+        convert.prefetch_from_pb(pb.PrefetchStatusResponse(state=99))  # type: ignore[arg-type]
