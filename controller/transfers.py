@@ -41,6 +41,7 @@ _failed = ThrottledLog(log)  # a broken copy engine fails every backup: one reco
 
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
+_L1_VICTIM_COPIES = (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH)  # see `_victim_callback`
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 # A pool short of room evicts this share of its pages beyond what the allocation needs
 # (16 of the default 1,024): one tree eviction and one free per that many pages rather
@@ -311,13 +312,19 @@ class Transfers:
         """What must happen before a slot leaves `tier` (a write-back), or None: then the
         tree builds no victim descriptions at all."""
         if tier is Tier.DEVICE:
-            return self._l1_victim if self.cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else None
+            # write_through too: a slot whose copy found no room in L2 (its pages held by
+            # L3 writes in flight) is copied as it leaves, or its data would leave every
+            # tier; a slot L2 holds costs a look (`_missing_in_host`). (write_through_
+            # selective leaves a slot below its threshold out of L2 on purpose.)
+            policy = self.cfg.write.l1_to_l2
+            return self._l1_victim if policy in _L1_VICTIM_COPIES else None
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and self.ctl.l3 is not None:
             return self._l2_victim
         return None
 
     def _l1_victim(self, victim: Victim) -> None:
-        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks), and
+        """A slot leaving L1 under write_back (or under write_through, one whose copy
+        found no room) goes to L2 first (only what L2 lacks), and
         from there on to L3 as the L2 -> L3 policy says (as a write-through copy landing
         in L2 does: it used to wait for a later match of the node). A failed copy does
         not stop the eviction of a leaf: the slot then leaves the cache (`tree.evict`

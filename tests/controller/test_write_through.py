@@ -498,3 +498,47 @@ def test_write_back_l1_then_write_through_l3_writes_what_reaches_l2(make) -> Non
     assert ctl.l3.backend.stats().puts == 4
     evict_all(ctl, Tier.HOST)
     assert ctl.match("e1", MatchRequest("", seq(4))).storage_tokens == 16
+
+
+def test_a_slot_whose_l1_to_l2_copy_found_no_room_is_copied_as_it_leaves_l1(make) -> None:
+    """write_through L1->L2 with write_back L2->L3: while L3 writes are in flight L2's
+    evicted pages stay held, so an L1->L2 copy can find no room and is skipped. Once the
+    writes landed, the slot's L1 eviction copies it to L2 (as write_back does): it used
+    to drop the only copy, so the inserted prompt was in no tier though L3 had room
+    (found by the client fault fuzz: 8 of 40 prompts lost through a daemon)."""
+    ctl = make(l1_tokens=64, storage__backend="file", write__l2_to_l3="write_back")
+    eng = Engine(ctl)  # L1 16 pages, L2 32
+    gate = threading.Event()  # L3 writes wait here (the backup worker runs them in order)
+    assert ctl.transfers.backup_worker.submit(Job("gate", lambda: gate.wait(10), lambda _e: None))
+    prompts = [seq(2, base=1000 * i) for i in range(1, 30)]
+
+    def copies_landed() -> None:  # (L1->L2 only: `drain` would wait for the L3 writes too)
+        with ctl._mu:
+            ctl.transfers._schedule_l2_flush(urgent=True)
+        assert ctl.transfers.copy_worker.drain(10)
+
+    for tokens in prompts[:18]:  # L2 fills with 16 prompts; then copies find its pages held
+        eng.request(tokens)
+        copies_landed()
+
+    def only_in_l1() -> list[int]:
+        out = []
+        for i, tokens in enumerate(prompts):
+            path = ctl.tree.match("", tokens).path
+            if path and ctl.tree.is_resident(path[-1], FULL, Tier.DEVICE) and not any(
+                    ctl.tree.is_resident(path[-1], FULL, t) for t in (Tier.HOST, Tier.STORAGE)):
+                out.append(i)
+        return out
+
+    with ctl._mu:
+        unbacked = only_in_l1()
+    assert unbacked and ctl.stats().counters["backups_l2_skipped"] >= 1
+    gate.set()
+    for tokens in prompts[18:]:  # L1 evicts the unbacked prompts' pages meanwhile
+        assert ctl.transfers.drain(10)
+        eng.request(tokens)
+    assert ctl.transfers.drain(10)
+    for i in unbacked:
+        m = ctl.match("e1", MatchRequest("", prompts[i]))
+        assert m.device_tokens + m.host_tokens + m.storage_tokens == 8, f"prompt {i} is in no tier"
+    assert ctl.tree.match("", prompts[unbacked[0]]).device_tokens == 0  # it did leave L1
