@@ -100,6 +100,11 @@ FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for 
 
 # Batch ops that are safe to send again (the daemon answers a repeat the same way, or
 # NotFound for a handle the first attempt released).
+# Retries of a call safe to repeat: after RETRY_FIRST_S, then RETRY_GROWTH times longer
+# each (with the default 3 retries: 0.1 + 0.3 + 0.9 s, past the channel's longest
+# reconnect backoff, RECONNECT_MAX_MS).
+RETRY_FIRST_S, RETRY_GROWTH = 0.1, 3.0
+RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 1000
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 _REPEATABLE_OPS = frozenset({"attach", "heartbeat", "prefetch_status", "cancel_prefetch",
                              "release", "close_session", "stats"})
@@ -164,7 +169,14 @@ class Client:
         # The daemon bounds both (`server.max_tokens_per_request` and the replies it needs);
         # this side takes what gRPC can carry.
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   # gRPC waits 1 s before reconnecting, 1.6x longer after each failed
+                   # try (up to 2 min): a daemon back after a 40 s restart was reached
+                   # 5 s later, heartbeats failing meanwhile. The daemon is on this
+                   # node: reconnecting every RECONNECT_MAX_MS at most costs nothing.
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
+                   ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+                   ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(endpoint.target, creds, options=options)
@@ -188,6 +200,12 @@ class Client:
         self._tp_rank = 0
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
+        self._closed = False
+        # Releases a `matched()`/`allocation()` block could not make (the daemon was away
+        # longer than the retries): made before the next heartbeat, which would otherwise
+        # renew the lease that keeps them held (lock_id, allocation_id).
+        self._owed: list[tuple[int, int]] = []
+        self._owed_mu = threading.Lock()
         # This process's CUDA devices of the L1 pools: synchronized before Insert/Release.
         self._cuda_devices: tuple[torch.device, ...] = ()
 
@@ -210,16 +228,19 @@ class Client:
                   released_ok: bool = False, timeout_s: float | None = None) -> tuple[T, bool]:
         """`_call`, and whether the answer came from a retry (an attempt before it may
         have taken effect, its answer lost)."""
-        delay = 0.05
+        self._check_open()
+        delay = RETRY_FIRST_S
         if not repeatable:
             if not self._reached:
                 self._reach()
             try:
                 out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
-                if e.code() in RETRYABLE:
+                if self._unavailable(e):
                     self._reached = False
-                raise from_rpc_error(e) from None
+                raise self._error(e) from None
+            except ValueError as e:  # (closed meanwhile: "Cannot invoke RPC on closed channel!")
+                raise self._closed_error() from e
             self._reached = True
             return out, False
         for attempt in range(self.retries + 1):
@@ -231,12 +252,15 @@ class Client:
                 if released_ok and attempt and e.code() is grpc.StatusCode.NOT_FOUND:
                     self._reached = True
                     return None, True  # type: ignore[return-value]
-                if e.code() in RETRYABLE:
+                unavailable = self._unavailable(e)
+                if unavailable:
                     self._reached = False
-                if e.code() not in RETRYABLE or attempt == self.retries:
-                    raise from_rpc_error(e) from None
+                if not unavailable or attempt == self.retries:
+                    raise self._error(e) from None
                 time.sleep(delay)
-                delay *= 2
+                delay *= RETRY_GROWTH
+            except ValueError as e:
+                raise self._closed_error() from e
         raise AssertionError("unreachable")
 
     def _reach(self) -> None:
@@ -251,6 +275,29 @@ class Client:
         except HicacheError:
             self._reached = True  # (e.g. UNAUTHENTICATED: the daemon is there)
 
+    def _unavailable(self, e: grpc.RpcError) -> bool:
+        """The daemon could not be reached, or went away during the call: UNAVAILABLE, or
+        CANCELLED that this client did not cause (gRPC's server cancels the calls that
+        reach it while it stops; the sync API here never cancels one)."""
+        code = e.code()  # type: ignore[attr-defined]
+        return code in RETRYABLE or (code is grpc.StatusCode.CANCELLED and not self._closed)
+
+    def _error(self, e: grpc.RpcError) -> HicacheError:
+        if self._closed:
+            return self._closed_error()
+        if e.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+            return Unavailable(f"the daemon ended the call ({e.details() or 'cancelled'}): "  # type: ignore[attr-defined]
+                               "it is stopping or restarting")
+        return from_rpc_error(e)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._closed_error()
+
+    @staticmethod
+    def _closed_error() -> FailedPrecondition:
+        return FailedPrecondition("this Client is closed")
+
     def __enter__(self) -> Client:
         return self
 
@@ -258,6 +305,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._heartbeat_stop.set()
         self._heartbeat_wake.set()
         if self._heartbeat_thread is not None:
@@ -305,6 +353,7 @@ class Client:
         return Attachment(info=info, pools=pools)
 
     def heartbeat(self) -> HeartbeatInfo:
+        self._settle_owed()
         return convert.heartbeat_from_pb(
             self._call(self._stub.Heartbeat,
                        pb.HeartbeatRequest(engine_id=self.engine_id, tp_rank=self._tp_rank,
@@ -416,12 +465,20 @@ class Client:
     def load(self, lock_id: int) -> Iterator[LoadProgress]:
         """Per-layer progress of moving a locked match's L2 part into L1; the last item
         carries the device pages."""
+        self._check_open()
+        if not self._reached:  # (sent once, as every call not safe to repeat)
+            self._reach()
         try:
             for msg in self._stub.Load(pb.LoadRequest(lock_id=lock_id), metadata=self._metadata,
                                        timeout=self.timeout_s):
+                self._reached = True
                 yield convert.load_from_pb(msg)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            if self._unavailable(e):
+                self._reached = False
+            raise self._error(e) from None
+        except ValueError as e:
+            raise self._closed_error() from e
 
     def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
         r = self._call(self._stub.PrefetchStatus, pb.PrefetchStatusRequest(prefetch_id=prefetch_id),
@@ -501,11 +558,12 @@ class Client:
             yield
         except BaseException:
             # The body's error is the one the caller must see; a release that fails too
-            # is logged (the engine's lease frees the handles if it cannot reach us).
+            # is logged, and owed when the daemon was away (made before the next
+            # heartbeat: it would renew the lease that holds them).
             try:
                 self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
             except HicacheError as e:
-                log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
+                self._owe(lock_id, allocation_id, e)
             except Exception as e:
                 # The device sync before the release failed too (a CUDA fault stays set):
                 # nothing more runs on that device, so the release goes without it rather
@@ -515,10 +573,35 @@ class Client:
                 try:
                     self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
                 except HicacheError as e2:
-                    log.warning("releasing lock %d / allocation %d failed: %s", lock_id,
-                                allocation_id, e2)
+                    self._owe(lock_id, allocation_id, e2)
             raise
         self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
+
+    def _owe(self, lock_id: int, allocation_id: int, e: HicacheError) -> None:
+        if isinstance(e, Unavailable):  # (the daemon away: it still holds them)
+            with self._owed_mu:
+                self._owed.append((lock_id, allocation_id))
+            log.warning("releasing lock %d / allocation %d failed: %s; released before the "
+                        "next heartbeat", lock_id, allocation_id, e)
+        else:
+            log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
+
+    def _settle_owed(self) -> None:
+        """Make the releases `_owe` kept, oldest first; stops at one that fails to reach
+        the daemon (kept for the next time)."""
+        while True:
+            with self._owed_mu:
+                if not self._owed:
+                    return
+                lock_id, allocation_id = self._owed.pop(0)
+            try:
+                self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
+            except Unavailable:
+                with self._owed_mu:
+                    self._owed.insert(0, (lock_id, allocation_id))
+                return
+            except HicacheError as e:
+                log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
 
     def _release_quietly(self, *, lock_id: int = 0, allocation_id: int = 0, sync: Sync = True) -> None:
         """Release what is still held, both handles in one call (each its own op, so one

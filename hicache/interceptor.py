@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 
 from hicache.auth import Authenticator, reset_current_principal, set_current_principal
-from hicache.errors import HicacheError, InvalidArgument
+from hicache.errors import HicacheError, InvalidArgument, Unavailable
 from hicache.logthrottle import ThrottledLog
 from hicache.metrics import RpcMetrics
 
@@ -34,6 +34,8 @@ _unexpected = ThrottledLog(log)
 # Services callable without credentials: the standard health check (probes, `hicache health`
 # against a daemon whose tokens the prober does not hold). It reveals only SERVING or not.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
+# Answered while the daemon stops (NOT_SERVING then, which is what a probe should see).
+_SERVED_WHILE_STOPPING = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch"})
 
 
 # A status message travels in a trailer, percent-encoded (up to 3 bytes a UTF-8 byte), and
@@ -66,6 +68,20 @@ class ServerInterceptor(grpc.ServerInterceptor):
         self._metrics = metrics
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
         self._lock = threading.Lock()
+        # Shutdown (`begin_stop`): calls that come meanwhile are refused UNAVAILABLE (the
+        # contract; gRPC's own stop would cancel them), those under way finish.
+        self._stopping = False
+        self._active = 0  # calls under way (in `_served`), under `_idle`'s lock
+        self._idle = threading.Condition()
+
+    def begin_stop(self) -> None:
+        with self._idle:
+            self._stopping = True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """After `begin_stop`: wait until no call is under way (at most `timeout_s`)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._active, timeout_s)
 
     def intercept_service(
         self,
@@ -146,7 +162,13 @@ class ServerInterceptor(grpc.ServerInterceptor):
         start = time.perf_counter()
         code = "OK"
         token = None
+        counted = label not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
+        if counted:
+            with self._idle:
+                self._active += 1
         try:
+            if counted and self._stopping:
+                raise Unavailable("the daemon is shutting down; call again once it is back")
             if auth is not None:  # first: an unauthenticated caller learns nothing more
                 token = _authorize(auth, request, context)
             if isinstance(request, _Undecodable):
@@ -167,6 +189,11 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 reset_current_principal(token)
             if self._metrics is not None:
                 self._metrics.observe(label, code, time.perf_counter() - start)
+            if counted:
+                with self._idle:
+                    self._active -= 1
+                    if self._stopping and not self._active:
+                        self._idle.notify_all()
 
 
 class _Undecodable:

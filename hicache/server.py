@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -93,9 +94,10 @@ class Daemon:
              min(MAX_MESSAGE_BYTES, max(cfg.max_request_bytes, cfg.max_reply_bytes))),
             ("grpc.so_reuseport", 0),  # a second daemon must not share the port
         ]
+        self.interceptor = ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rpc"),
-            interceptors=[ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)],
+            interceptors=[self.interceptor],
             options=options,
         )
         hicache_pb2_grpc.add_HiCacheServicer_to_server(
@@ -196,9 +198,15 @@ class Daemon:
         self.health.enter_graceful_shutdown()
         if self.probe_server is not None:
             self.probe_server.stop(STOP_GRACE_S)
-        # Bounded: a call gRPC never finished (it happened: see the interceptor's streaming
-        # requests) must not keep the flush and the exit waiting forever.
-        if not self.server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + STOP_SLACK_S):
+        # Calls that come from now on are refused UNAVAILABLE (the contract: gRPC's stop
+        # would cancel them), those under way finish within the grace period; then gRPC
+        # stops. Bounded: a call gRPC never finished (it happened: see the interceptor's
+        # streaming requests) must not keep the flush and the exit waiting forever.
+        self.interceptor.begin_stop()
+        started = time.monotonic()
+        self.interceptor.wait_idle(STOP_GRACE_S)
+        left = max(0.0, STOP_GRACE_S - (time.monotonic() - started))
+        if not self.server.stop(left).wait(left + STOP_SLACK_S):
             log.warning("gRPC server not stopped %.0f s after its grace period; going on",
                         STOP_SLACK_S)
         for thread in self._threads:

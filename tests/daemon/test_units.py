@@ -522,3 +522,67 @@ def test_an_enum_value_this_client_does_not_know_is_a_clear_error() -> None:
     as `tier<N>` by Stats: tests/test_cli_fuzz.py.)"""
     with pytest.raises(errors.FailedPrecondition, match="prefetch state 99, which this client does not know"):
         convert.prefetch_from_pb(pb.PrefetchStatusResponse(state=99))  # type: ignore[arg-type]
+
+
+def test_calls_that_come_while_the_daemon_stops_are_unavailable_and_those_under_way_finish(
+    in_process: tuple[Daemon, Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """API.md: UNAVAILABLE while shutting down. gRPC's own stop cancelled the calls that
+    came during its grace period (CANCELLED, which a client does not read as "away");
+    the interceptor refuses them first, while the health check still answers (NOT_SERVING
+    by then, for probes) and calls under way finish."""
+    import threading
+
+    daemon, client = in_process
+    entered, release = threading.Event(), threading.Event()
+    real = daemon.core.stats
+
+    def slow() -> StatsSnapshot:
+        entered.set()
+        release.wait(5)
+        return real()
+
+    monkeypatch.setattr(daemon.core, "stats", slow)
+    done: list[StatsSnapshot] = []
+    under_way = threading.Thread(target=lambda: done.append(client.stats()))
+    under_way.start()
+    assert entered.wait(5)
+    daemon.interceptor.begin_stop()
+    with Client(daemon.endpoint.target, retries=0) as late:
+        with pytest.raises(errors.Unavailable, match="shutting down"):
+            late.stats()
+        assert late.serving()  # (the health check is answered)
+    assert not daemon.interceptor.wait_idle(0.1)  # the Stats under way
+    release.set()
+    under_way.join(5)
+    assert len(done) == 1 and daemon.interceptor.wait_idle(1)
+
+
+def test_a_release_a_lock_block_could_not_make_is_made_before_the_next_heartbeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `matched()` block that raised, its release failing too (the daemon away longer
+    than the retries): the block's error is raised, the release is owed and made before
+    the next heartbeat, which would otherwise renew the lease holding the handles for
+    the engine's life (found by the client fault fuzz)."""
+    client = Client("unix:///nonexistent/hicache.sock", engine_id="e")
+    sent: list[str] = []
+
+    def attempts(fn: object, request: object, **_kw: object) -> tuple[object, bool]:
+        sent.append(type(request).__name__)
+        if isinstance(request, pb.BatchRequest):
+            if sent.count("BatchRequest") == 1:
+                raise errors.Unavailable("daemon away")
+            return pb.BatchResponse(results=[pb.BatchResult(release=pb.ReleaseResponse())
+                                             for _ in request.ops]), False
+        return pb.HeartbeatResponse(), False
+
+    monkeypatch.setattr(client, "_attempts", attempts)
+    try:
+        with pytest.raises(RuntimeError, match="kernel"), client._released_on_exit(lock_id=7, allocation_id=9):
+            raise RuntimeError("kernel")
+        assert client._owed == [(7, 9)]
+        client.heartbeat()
+        assert sent == ["BatchRequest", "BatchRequest", "HeartbeatRequest"] and client._owed == []
+    finally:
+        client.close()
