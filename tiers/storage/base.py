@@ -547,3 +547,5 @@ def _check_batch(keys: Sequence[str], buffers: Sequence[np.ndarray]) -> None:
                 "L3 buffers must be 1-D C-contiguous uint8 arrays larger than "
                 f"{HEADER_BYTES} header bytes"
             )
+        if not buf.flags.writeable:  # (a get fills it; a put writes its header into it)
+            raise InvalidArgument("L3 buffers must be writable (got a read-only array)")

@@ -23,6 +23,7 @@ import errno
 import itertools
 import logging
 import os
+import re
 import socket
 import stat
 import threading
@@ -34,6 +35,7 @@ import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
+from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage.base import (
     HEADER_BYTES,
     MISSING,
@@ -53,6 +55,7 @@ from hicache.tiers.storage.integrity import check_object, key_digest
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
 
 log = logging.getLogger(__name__)
+_bad_path = ThrottledLog(log)  # one record a path (a batch may meet it for every put)
 
 SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
@@ -77,13 +80,16 @@ _PROCESS_STARTED = time.time()
 _CLOCK_MARGIN_S = 2.0
 
 
+_PID = re.compile(r"[0-9]+")  # (ASCII digits: `isdigit` takes '²', which int() refuses)
+
+
 def _writer_gone(pid: int, mtime: float) -> bool:
     """Whether the process `pid` of this host that wrote a temp file at `mtime` is gone."""
     if pid == os.getpid():
         return mtime < _PROCESS_STARTED - _CLOCK_MARGIN_S
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (past a pid_t: no such process either)
         return True
     except OSError:  # (EPERM: alive, another user's)
         return False
@@ -163,7 +169,7 @@ class FileBackend(StorageBackend):
                             os.unlink(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
                         found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, a link loop, ...: not an object of ours
                     continue
         found.sort()
         with self._lock:
@@ -176,8 +182,8 @@ class FileBackend(StorageBackend):
         """Whether temp file `name` (written at `mtime`) is this host's and its writer
         process is gone."""
         parts = name[: -len(TEMP_SUFFIX)].rsplit(".", 3)  # <object>.<host>.<pid>.<thread>
-        if len(parts) != 4 or parts[1] != self._host or not parts[2].isdigit():
-            return False
+        if len(parts) != 4 or parts[1] != self._host or not _PID.fullmatch(parts[2]):
+            return False  # (not a name this code writes; removed once stale)
         return _writer_gone(int(parts[2]), mtime)
 
     # ------------------------------------------------------------------ paths and index
@@ -320,7 +326,9 @@ class FileBackend(StorageBackend):
                 out.append(MISSING)
                 continue
             except OSError as e:
-                if e.errno == errno.ESTALE:  # removed by another node (NFS): gone, like above
+                # ESTALE: removed by another node (NFS), gone like above; ENOTDIR: something
+                # other than a folder where its fan-out folder belongs: nothing of ours.
+                if e.errno in _ABSENT_ERRNOS:
                     self._forget(h)
                     out.append(MISSING)
                     continue
@@ -376,6 +384,13 @@ class FileBackend(StorageBackend):
                 if reserved:
                     self._unreserve(reserved)
                 _discard(tmp)
+                if isinstance(e, OSError) and e.errno in _BAD_PATH_ERRNOS:
+                    # Something else sits on this key's path (a file where its folder
+                    # belongs, a directory or a link loop at it): this key fails, the
+                    # batch's others go on (the whole store is not unavailable).
+                    _bad_path.warning(path, "file: cannot store %s there (%s)", path, e.strerror)
+                    out.append(PutStatus.FAILED)
+                    continue
                 if isinstance(e, OSError):
                     raise _unavailable(path, e) from None
                 raise
@@ -420,7 +435,10 @@ class FileBackend(StorageBackend):
                 except FileNotFoundError:
                     pass
                 except OSError as e:
-                    raise _unavailable(path, e) from None
+                    if e.errno not in _BAD_PATH_ERRNOS:
+                        raise _unavailable(path, e) from None
+                    # Not an object of ours there (a directory, a file where its folder
+                    # belongs): nothing to remove; the other keys still go.
                 self._used -= self._lru.pop(os.path.basename(path)[: -len(SUFFIX)], 0)
         return removed
 
@@ -450,6 +468,11 @@ _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
 # Errors that say the path holds something other than an object (a link, a directory, a
 # FIFO or device): that key is corrupt, the backend is fine.
 _NOT_AN_OBJECT_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EAGAIN, errno.EINVAL})
+# Errors of a read that say no object of ours is at the path.
+_ABSENT_ERRNOS = frozenset({errno.ESTALE, errno.ENOTDIR})
+# Errors of a write or an unlink that say something other than our object or folder sits
+# on the key's path (ENOENT: a dangling link where its folder belongs): that key only.
+_BAD_PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENOENT, errno.EEXIST})
 
 
 def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:

@@ -1,7 +1,8 @@
 """`none` backend: a null object, so callers never test `if backend is None`.
 
 Every key is absent, puts are refused (`PutStatus.FAILED`: nothing is stored), health is
-always fine. Buffers are never touched.
+always fine. A get never touches its buffers (a put has had their headers written by the
+base class, as for every backend).
 """
 
 from __future__ import annotations
