@@ -467,7 +467,8 @@ class HybridCacheController(CacheService):
                 # still be there (a Release or a lapse meanwhile would orphan the pages).
                 try:
                     record = self._engines.allocation(engine_id, req.allocation_id)
-                except NotFound:
+                    self._check_growth(req.allocation_id, record, req.num_tokens)  # (grown meanwhile?)
+                except (NotFound, InvalidArgument):
                     for kind, ids in grown.items():
                         self.transfers.free_l1(kind, ids)
                     raise

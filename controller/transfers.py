@@ -41,7 +41,6 @@ _failed = ThrottledLog(log)  # a broken copy engine fails every backup: one reco
 
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
-_L1_VICTIM_COPIES = (WritePolicy.WRITE_BACK, WritePolicy.WRITE_THROUGH)  # see `_victim_callback`
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 # A pool short of room evicts this share of its pages beyond what the allocation needs
 # (16 of the default 1,024): one tree eviction and one free per that many pages rather
@@ -312,25 +311,31 @@ class Transfers:
         """What must happen before a slot leaves `tier` (a write-back), or None: then the
         tree builds no victim descriptions at all."""
         if tier is Tier.DEVICE:
-            # write_through too: a slot whose copy found no room in L2 (its pages held by
-            # L3 writes in flight) is copied as it leaves, or its data would leave every
-            # tier; a slot L2 holds costs a look (`_missing_in_host`). (write_through_
-            # selective leaves a slot below its threshold out of L2 on purpose.)
             policy = self.cfg.write.l1_to_l2
-            return self._l1_victim if policy in _L1_VICTIM_COPIES else None
+            if policy is WritePolicy.WRITE_BACK:
+                return self._l1_victim
+            # (write_through_selective leaves a slot below its threshold out of L2 on purpose)
+            return self._l1_victim_uncopied if policy is WritePolicy.WRITE_THROUGH else None
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and self.ctl.l3 is not None:
             return self._l2_victim
         return None
 
     def _l1_victim(self, victim: Victim) -> None:
-        """A slot leaving L1 under write_back (or under write_through, one whose copy
-        found no room) goes to L2 first (only what L2 lacks), and
+        """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks), and
         from there on to L3 as the L2 -> L3 policy says (as a write-through copy landing
         in L2 does: it used to wait for a later match of the node). A failed copy does
         not stop the eviction of a leaf: the slot then leaves the cache (`tree.evict`
         keeps a node with children, whose last copy it would be)."""
         self._backup_to_host_or_count(victim.node, "write-back")
         self._maybe_l3([victim.node])  # (nothing without an L3, or where L2 got nothing)
+
+    def _l1_victim_uncopied(self, victim: Victim) -> None:
+        """write_through: a slot whose copy found no room in L2 (its pages held by L3
+        writes in flight) is copied as it leaves L1, or its data would leave every tier,
+        and goes on to L3 as a copy landing in L2 does. A slot L2 holds costs a look."""
+        node = victim.node
+        if self._missing_in_host(node) and self._backup_to_host_or_count(node, "at eviction"):
+            self._maybe_l3([node])
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
@@ -438,15 +443,17 @@ class Transfers:
                 self.free_l2(kind, host_ids)
         return bool(moves)
 
-    def _backup_to_host_or_count(self, node: object, why: str) -> None:
+    def _backup_to_host_or_count(self, node: object, why: str) -> bool:
         """`backup_to_host` where a failure must not fail the caller (a match, an
-        eviction): the backup is dropped (counted `backups_l2_failed`, logged)."""
+        eviction): the backup is dropped (counted `backups_l2_failed`, logged). Whether
+        a copy was made."""
         try:
-            self.backup_to_host(node)
+            return self.backup_to_host(node)
         except Exception as e:  # the copy engine's error: its pages are freed already
             self.stats["backups_l2_failed"] += 1
             _failed.error(f"{why}:{type(e).__name__}", "L1->L2 copy (%s) failed; not backed up",
                           why, exc_info=e)
+            return False
 
     def after_insert(self, end: object) -> None:
         """Write-through at insert: L1 -> L2 for the path's new pages (on the copy

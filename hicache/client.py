@@ -98,14 +98,14 @@ Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
 
-# Batch ops that are safe to send again (the daemon answers a repeat the same way, or
-# NotFound for a handle the first attempt released).
 # Retries of a call safe to repeat: after RETRY_FIRST_S, then RETRY_GROWTH times longer
 # each (with the default 3 retries: 0.1 + 0.3 + 0.9 s, past the channel's longest
 # reconnect backoff, RECONNECT_MAX_MS).
 RETRY_FIRST_S, RETRY_GROWTH = 0.1, 3.0
-RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 1000
+RECONNECT_FIRST_MS, RECONNECT_MAX_MS = 100, 1000
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+# Batch ops that are safe to send again (the daemon answers a repeat the same way, or
+# NotFound for a handle the first attempt released).
 _REPEATABLE_OPS = frozenset({"attach", "heartbeat", "prefetch_status", "cancel_prefetch",
                              "release", "close_session", "stats"})
 
@@ -154,9 +154,13 @@ class Client:
         `on_detached(error)`: called (on the heartbeat thread) when the daemon no longer
         knows this engine."""
         endpoint = parse_address(target)
+        # Both travel in headers: gRPC would fail every call with INTERNAL "Invalid
+        # metadata", after connecting (an engine id even after a successful Attach).
         if token and not (token.isascii() and token.isprintable()):
-            # (gRPC would fail every call with INTERNAL "Invalid metadata", after connecting)
             raise InvalidArgument("token: printable ASCII only, one line (value hidden)")
+        if engine_id and not (engine_id.isascii() and engine_id.isprintable()):
+            raise InvalidArgument(f"engine_id: {engine_id!r} is not printable ASCII (it travels "
+                                  "in a header)")
         if tls is None:
             tls = root_certificates is not None or not (endpoint.is_unix or endpoint.is_loopback)
         if tls and endpoint.is_unix:
@@ -174,8 +178,10 @@ class Client:
                    # try (up to 2 min): a daemon back after a 40 s restart was reached
                    # 5 s later, heartbeats failing meanwhile. The daemon is on this
                    # node: reconnecting every RECONNECT_MAX_MS at most costs nothing.
-                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
-                   ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+                   # (Not grpc.min_reconnect_backoff_ms: gRPC takes it as the connect
+                   # timeout too, 20 s by default; at 0.1 s a busy daemon's handshake
+                   # would fail.)
+                   ("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
                    ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
         if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
@@ -240,6 +246,8 @@ class Client:
                     self._reached = False
                 raise self._error(e) from None
             except ValueError as e:  # (closed meanwhile: "Cannot invoke RPC on closed channel!")
+                if not self._closed:
+                    raise
                 raise self._closed_error() from e
             self._reached = True
             return out, False
@@ -260,6 +268,8 @@ class Client:
                 time.sleep(delay)
                 delay *= RETRY_GROWTH
             except ValueError as e:
+                if not self._closed:
+                    raise
                 raise self._closed_error() from e
         raise AssertionError("unreachable")
 
@@ -377,6 +387,8 @@ class Client:
                     self.heartbeat()
                     failing = False
                 except (NotFound, FailedPrecondition) as e:
+                    if self._closed:  # (close() ended the beat under way: not a detach)
+                        return
                     # The daemon does not know this engine (it restarted, or the lease
                     # lapsed): every handle is gone and the pools may be new. Only a new
                     # attach() mends that; heartbeating on would only log.
@@ -478,6 +490,8 @@ class Client:
                 self._reached = False
             raise self._error(e) from None
         except ValueError as e:
+            if not self._closed:
+                raise
             raise self._closed_error() from e
 
     def prefetch_status(self, prefetch_id: int) -> PrefetchInfo:
@@ -492,8 +506,8 @@ class Client:
 
     def close_session(self, session_id: str) -> int:
         r = self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id),
-                       repeatable=True, released_ok=True)
-        return int(r.released_refs) if r is not None else 0
+                       repeatable=True)  # (a retry answers what a lost attempt did: idempotent)
+        return int(r.released_refs)
 
     def batch(self, ops: Sequence[pb.BatchOp], sync: Sync = True) -> list[Any]:
         """Run ops (built with `match_op`, `insert_op`, ...) in one call. Each result is
@@ -575,7 +589,11 @@ class Client:
                 except HicacheError as e2:
                     self._owe(lock_id, allocation_id, e2)
             raise
-        self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
+        try:
+            self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
+        except Unavailable as e:  # told, and owed: the next heartbeat would keep them held
+            self._owe(lock_id, allocation_id, e)
+            raise
 
     def _owe(self, lock_id: int, allocation_id: int, e: HicacheError) -> None:
         if isinstance(e, Unavailable):  # (the daemon away: it still holds them)

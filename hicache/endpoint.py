@@ -36,9 +36,10 @@ class Endpoint:
 
     @property
     def target(self) -> str:
-        """The gRPC target string for this address (client and server side). gRPC reads
-        a unix target as a URI: the path is percent-encoded, or a '#' or '?' in it would
-        end it for the client (the server binds it whole) and a '%41' would bind 'A'."""
+        """The gRPC target string for this address, for gRPC's channels and ports (not an
+        address to parse again: that is `address`). gRPC reads a unix target as a URI: the
+        path is percent-encoded, or a '#' or '?' in it would end it for the client (the
+        server binds it whole) and a '%41' would bind 'A'."""
         if self.path is not None:
             return f"unix://{urllib.parse.quote(str(self.path), safe='/')}"
         return f"{self.host}:{self.port}"

@@ -1,6 +1,8 @@
 """The one place where exceptions become gRPC status codes (and RPC latency is measured).
 
 Every call goes through `ServerInterceptor`:
+0. while the daemon stops (`begin_stop`), a call is refused UNAVAILABLE (the health
+   check excepted), and the stop waits for those under way (`wait_idle`);
 1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
    call; a request with a `namespace` field is checked against it before the servicer runs
    (ops inside `Batch` are checked by the Batch servicer with the same principal);
@@ -105,16 +107,17 @@ class ServerInterceptor(grpc.ServerInterceptor):
         label = method.lstrip("/")
         service = label.split("/", 1)[0]
         auth = self._auth if self._auth.enabled and service not in UNAUTHENTICATED_SERVICES else None
+        gated = label not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
         parse = _lenient(label, handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(label, auth, handler.unary_unary),
+                self._unary(label, auth, gated, handler.unary_unary),
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._stream(label, auth, handler.unary_stream),
+                self._stream(label, auth, gated, handler.unary_stream),
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
@@ -125,44 +128,46 @@ class ServerInterceptor(grpc.ServerInterceptor):
         # then waited for it forever).
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                self._stream(label, auth, _checked_stream(handler.stream_stream)),
+                self._stream(label, auth, gated, _checked_stream(handler.stream_stream)),
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
-                self._unary(label, auth, _checked_stream(handler.stream_unary)),
+                self._unary(label, auth, gated, _checked_stream(handler.stream_unary)),
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         return handler
 
     def _unary(
-        self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Any]
+        self, label: str, auth: Authenticator | None, gated: bool, inner: Callable[[Any, Any], Any]
     ) -> Callable[[Any, grpc.ServicerContext], Any]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Any:
-            with self._served(label, auth, request, context):
+            with self._served(label, auth, gated, request, context):
                 return inner(request, context)
 
         return behavior
 
     def _stream(
-        self, label: str, auth: Authenticator | None, inner: Callable[[Any, Any], Iterator[Any]]
+        self, label: str, auth: Authenticator | None, gated: bool,
+        inner: Callable[[Any, Any], Iterator[Any]],
     ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
         def behavior(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            with self._served(label, auth, request, context):
+            with self._served(label, auth, gated, request, context):
                 yield from inner(request, context)
 
         return behavior
 
     @contextlib.contextmanager
-    def _served(self, label: str, auth: Authenticator | None, request: Any,
+    def _served(self, label: str, auth: Authenticator | None, gated: bool, request: Any,
                 context: grpc.ServicerContext) -> Iterator[None]:
-        """Steps 1, 3 and 4 around one call (for a stream: around all of its messages)."""
+        """Steps 0, 1, 3 and 4 around one call (for a stream: around all of its messages).
+        `gated`: refused while the daemon stops, and waited for by `wait_idle`."""
         start = time.perf_counter()
         code = "OK"
         token = None
-        counted = label not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
+        counted = gated
         if counted:
             with self._idle:
                 self._active += 1

@@ -138,6 +138,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
         if len(r.engine_id) > MAX_ENGINE_ID:  # counted as sent, before `scoped_engine`
             raise InvalidArgument(f"engine_id: {len(r.engine_id)} characters, at most {MAX_ENGINE_ID}")
+        if not (r.engine_id.isascii() and r.engine_id.isprintable()):
+            # Every later call names the engine in a header, which holds printable ASCII
+            # only: attached, it could make no call.
+            raise InvalidArgument(f"engine_id: {r.engine_id!r} is not printable ASCII "
+                                  f"(calls send it in the {ENGINE_HEADER!r} header)")
         return convert.attach_to_pb(
             self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size, r.instance_id),
             r.tp_rank,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 from engine_sim import Engine, evict_all, flushed, prefetch_back, seq, wait_prefetch
 
@@ -847,6 +848,36 @@ def test_growing_an_allocation_is_bounded_by_one_requests_tokens_in_total(make) 
     assert len(again.pages["full"]) == 4
     ctl.release("e1", a.lock_id, a.allocation_id)
     ctl.check_integrity()
+
+
+def test_growth_is_checked_again_after_a_wait_for_room(make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Allocating may wait for copies with the mutex released: another growth of the same
+    allocation may land meanwhile, so the bound is checked again before these pages join
+    (two growths each within it passed it together; found by a review)."""
+    ctl = make(storage__backend="none", server__max_tokens_per_request=16)  # 4 pages
+    ctl.attach("e1", 0, 1)
+    a = ctl.match("e1", MatchRequest("", seq(2), lock=True, allocate_tokens=8))
+    real = ctl._allocate_family
+    raced: list[bool] = []
+
+    def racing(n: int, *args: object) -> tuple:
+        out = real(n, *args)
+        if not raced:  # another growth of two pages landed during this one's wait
+            raced.append(True)
+            record = ctl._engines.allocation("e1", a.allocation_id)
+            other, _ = real(2, *args)
+            full = ComponentKind.FULL
+            record.pages[full] = np.concatenate([record.pages[full], other[full]])
+        return out
+
+    monkeypatch.setattr(ctl, "_allocate_family", racing)
+    free = ctl.device.allocator(ComponentKind.FULL).free_count
+    with pytest.raises(InvalidArgument, match="would hold 6 pages; at most 4"):
+        ctl.allocate("e1", AllocateRequest("", 8, allocation_id=a.allocation_id))
+    monkeypatch.undo()
+    assert len(ctl._engines.allocation("e1", a.allocation_id).pages[ComponentKind.FULL]) == 4
+    assert ctl.device.allocator(ComponentKind.FULL).free_count == free - 2  # the other's two only
+    ctl.release("e1", a.lock_id, a.allocation_id)
 
 
 def prompts_in_l3_with_held_reads(make, n: int) -> tuple:  # type: ignore[no-untyped-def]

@@ -24,6 +24,7 @@ from hicache.endpoint import parse_address
 from hicache.interceptor import status_of
 from hicache.metrics import counter_families
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.server import Daemon
 from hicache.tiers.base import PoolDescriptor, PoolKind
 
@@ -282,7 +283,7 @@ def in_process(tmp_path: Path) -> Iterator[tuple[Daemon, Client]]:
     core = build_controller(cfg, f"u{os.getpid()}_{next(_instances)}")
     daemon = Daemon(cfg, core, parse_address(f"unix://{tmp_path}/u.sock"))
     daemon.start()
-    client = Client(daemon.endpoint.target, retries=0)
+    client = Client(daemon.endpoint.address, retries=0)
     yield daemon, client
     client.close()
     daemon.stop()
@@ -340,7 +341,7 @@ def test_handles_of_a_call_the_caller_gave_up_on_are_released(
 
     monkeypatch.setattr(core, "match", slow_match)
     monkeypatch.setattr(core, "allocate", slow_allocate)
-    with Client(daemon.endpoint.target, retries=0, timeout_s=0.1, engine_id=client.engine_id) as hasty:
+    with Client(daemon.endpoint.address, retries=0, timeout_s=0.1, engine_id=client.engine_id) as hasty:
         hasty.attach(map_pools=False)  # the same engine, a tighter deadline
         with pytest.raises(errors.HicacheError, match=r"(?i)deadline"):
             hasty.match(tokens(128), lock=True, allocate_tokens=128)
@@ -368,7 +369,7 @@ def test_handles_of_calls_whose_deadline_passes_while_replying_are_released(
 
     daemon, client = in_process
     client.attach(map_pools=False)
-    hasty = Client(daemon.endpoint.target, retries=0, timeout_s=0.001, engine_id=client.engine_id)
+    hasty = Client(daemon.endpoint.address, retries=0, timeout_s=0.001, engine_id=client.engine_id)
     hasty._metadata = client._metadata  # the same engine, without its own (timed) Attach
     gave_up = [0]
 
@@ -548,7 +549,7 @@ def test_calls_that_come_while_the_daemon_stops_are_unavailable_and_those_under_
     under_way.start()
     assert entered.wait(5)
     daemon.interceptor.begin_stop()
-    with Client(daemon.endpoint.target, retries=0) as late:
+    with Client(daemon.endpoint.address, retries=0) as late:
         with pytest.raises(errors.Unavailable, match="shutting down"):
             late.stats()
         assert late.serving()  # (the health check is answered)
@@ -584,5 +585,50 @@ def test_a_release_a_lock_block_could_not_make_is_made_before_the_next_heartbeat
         assert client._owed == [(7, 9)]
         client.heartbeat()
         assert sent == ["BatchRequest", "BatchRequest", "HeartbeatRequest"] and client._owed == []
+        # A block that ends well is told (Unavailable), and the release is owed too.
+        sent.clear()
+        with pytest.raises(errors.Unavailable), client._released_on_exit(lock_id=8):
+            pass
+        assert client._owed == [(8, 0)]
+        client.heartbeat()
+        assert sent == ["BatchRequest", "BatchRequest", "HeartbeatRequest"] and client._owed == []
     finally:
         client.close()
+
+
+def test_close_during_a_failing_heartbeat_is_no_detach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() ends a heartbeat under way (retrying while the daemon is away) with the
+    closed client's FailedPrecondition: that is no "the daemon lost this engine" (it
+    used to set `detached`, log an error and call `on_detached`)."""
+    detaches: list[object] = []
+    client = Client("unix:///nonexistent/hicache.sock", engine_id="e", on_detached=detaches.append)
+
+    def beat() -> None:
+        client._closed = True  # (close() ran while this beat retried)
+        raise client._closed_error()
+
+    monkeypatch.setattr(client, "heartbeat", beat)
+    client._heartbeat_interval_s = 0.01
+    client._start_heartbeat()
+    thread = client._heartbeat_thread
+    assert thread is not None
+    thread.join(2)
+    assert not thread.is_alive() and detaches == [] and client.detached is None
+    client.close()
+
+
+def test_an_engine_id_no_header_can_carry_is_refused(in_process: tuple[Daemon, Client]) -> None:
+    """Calls name the engine in a header (printable ASCII only): an id with a newline or
+    'é' attached, then every call failed INTERNAL "Invalid metadata"."""
+    daemon, _ = in_process
+    for bad in ("a\nb", "caf\u00e9"):
+        with pytest.raises(errors.InvalidArgument, match="printable ASCII"):
+            Client(daemon.endpoint.address, engine_id=bad)
+        channel = grpc.insecure_channel(daemon.endpoint.target)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.HiCacheStub(channel).Attach(pb.AttachRequest(engine_id=bad, tp_size=1), timeout=5)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "printable ASCII" in (info.value.details() or "")
+        finally:
+            channel.close()

@@ -169,8 +169,10 @@ class FileBackend(StorageBackend):
                             os.unlink(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
                         found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
-                except OSError:  # gone meanwhile, a link loop, ...: not an object of ours
-                    continue
+                except OSError as e:
+                    if e.errno not in _SKIPPED_AT_START_ERRNOS:
+                        raise _unavailable(path, e) from None
+                    continue  # gone meanwhile, a link loop, ...: not an object of ours
         found.sort()
         with self._lock:
             self._lru = OrderedDict((h, size) for _, h, size in found)
@@ -468,6 +470,8 @@ _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
 # Errors that say the path holds something other than an object (a link, a directory, a
 # FIFO or device): that key is corrupt, the backend is fine.
 _NOT_AN_OBJECT_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EAGAIN, errno.EINVAL})
+# Errors of a file met at start that say it is no object of ours (skipped).
+_SKIPPED_AT_START_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.ENAMETOOLONG})
 # Errors of a read that say no object of ours is at the path.
 _ABSENT_ERRNOS = frozenset({errno.ESTALE, errno.ENOTDIR})
 # Errors of a write or an unlink that say something other than our object or folder sits
