@@ -94,6 +94,18 @@ class Run:
     seconds: float
 
 
+def serve_without_a_server(argv: list[str]) -> tuple[Run, list[Any]]:
+    """`hicache serve argv` in process with `hicache.server.serve` replaced: what it
+    exited with, and the configurations it would have served."""
+    started: list[Any] = []
+    fake_server = types.ModuleType("hicache.server")
+    fake_server.serve = lambda cfg: started.append(cfg) or 0  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "hicache.server", fake_server)
+        mp.setattr("hicache.allocator.tune", lambda: None)
+        return run_main(argv), started
+
+
 def run_main(argv: Sequence[str]) -> Run:
     """`main(argv)` in process; any exception but argparse's SystemExit propagates (a bug)."""
     out, err = io.StringIO(), io.StringIO()
@@ -486,13 +498,7 @@ def test_serve_listen_and_set_are_validated_before_anything_starts(world: World,
                                        ["--config", str(world.files["config_ok"])]]))
     argv = ["serve", *(["--listen", listen] if listen is not None else []),
             *(x for s in sets for x in ("--set", s)), *extra]
-    started: list[Any] = []
-    fake_server = types.ModuleType("hicache.server")
-    fake_server.serve = lambda cfg: started.append(cfg) or 0  # type: ignore[attr-defined]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "hicache.server", fake_server)
-        mp.setattr("hicache.allocator.tune", lambda: None)
-        r = run_main(argv)
+    r, started = serve_without_a_server(argv)
     check_own_message(r.err)
     assert r.rc in (0, 2), (argv, r)
     if r.rc == 0:
@@ -867,13 +873,7 @@ def test_a_file_name_with_a_line_break_gives_a_one_line_error(tmp_path: Path, co
 
 
 def test_serve_listen_empty_is_refused() -> None:
-    started: list[Any] = []
-    fake_server = types.ModuleType("hicache.server")
-    fake_server.serve = lambda cfg: started.append(cfg) or 0  # type: ignore[attr-defined]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "hicache.server", fake_server)
-        mp.setattr("hicache.allocator.tune", lambda: None)
-        r = run_main(["serve", "--listen", "", "--set", "metrics.port=0"])
+    r, started = serve_without_a_server(["serve", "--listen", "", "--set", "metrics.port=0"])
     assert r.rc == 2 and not started, [cfg.server.listen for cfg in started]
 
 

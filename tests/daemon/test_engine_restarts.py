@@ -5,16 +5,18 @@ forgot it."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from hicache.client import Client
 from hicache.errors import FailedPrecondition, NotFound, Unavailable
 
 from .cutproxy import CutProxy
@@ -89,32 +91,39 @@ def test_handles_from_before_a_daemon_restart_name_nothing_after_it(make_daemon:
         assert c.match(tokens(2 * PAGE, start=300)).device_tokens == 0
 
 
-def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon) -> None:
+@contextlib.contextmanager
+def attached_through_a_cut_proxy(make_daemon: MakeDaemon) -> Iterator[tuple[CutProxy, Client]]:
+    """A daemon on TCP, a `CutProxy` in front of it, a client attached through it."""
     port = free_port()
     make_daemon(listen=f"127.0.0.1:{port}")
     proxy = CutProxy(port)
     try:
         with make_client(proxy.port) as c:
             c.attach(map_pools=False)
-            proxy.armed = 1
-            with pytest.raises(Unavailable):
-                c.match(tokens(2 * PAGE, start=900), lock=True, allocate_tokens=2 * PAGE)
-            assert proxy.cuts == 1
-            # The daemon ran it once (a retry would have made a second lock and
-            # allocation that nobody knows of, kept alive by the heartbeat).
-            hb = c.heartbeat()
-            assert (hb.locks, hb.allocations) == (1, 1)
-
-            # A release is safe to repeat: the retry's NotFound means the lost attempt did it.
-            m = c.match(tokens(2 * PAGE, start=1900), lock=True, allocate_tokens=2 * PAGE)
-            proxy.armed = 1
-            c.release(allocation_id=m.allocation_id)
-            assert proxy.cuts == 2
-            c.release(lock_id=m.lock_id)
-            hb = c.heartbeat()
-            assert (hb.locks, hb.allocations) == (1, 1)
+            yield proxy, c
     finally:
         proxy.close()
+
+
+def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon) -> None:
+    with attached_through_a_cut_proxy(make_daemon) as (proxy, c):
+        proxy.armed = 1
+        with pytest.raises(Unavailable):
+            c.match(tokens(2 * PAGE, start=900), lock=True, allocate_tokens=2 * PAGE)
+        assert proxy.cuts == 1
+        # The daemon ran it once (a retry would have made a second lock and
+        # allocation that nobody knows of, kept alive by the heartbeat).
+        hb = c.heartbeat()
+        assert (hb.locks, hb.allocations) == (1, 1)
+
+        # A release is safe to repeat: the retry's NotFound means the lost attempt did it.
+        m = c.match(tokens(2 * PAGE, start=1900), lock=True, allocate_tokens=2 * PAGE)
+        proxy.armed = 1
+        c.release(allocation_id=m.allocation_id)
+        assert proxy.cuts == 2
+        c.release(lock_id=m.lock_id)
+        hb = c.heartbeat()
+        assert (hb.locks, hb.allocations) == (1, 1)
 
 
 def test_a_retry_after_a_lost_answer_answers_as_the_lost_attempt_did(make_daemon: MakeDaemon) -> None:
@@ -123,38 +132,29 @@ def test_a_retry_after_a_lost_answer_answers_as_the_lost_attempt_did(make_daemon
     them), a CloseSession gives the references the lost attempt released (not 0)."""
     from hicache.client import close_session_op, release_op
 
-    port = free_port()
-    make_daemon(listen=f"127.0.0.1:{port}")
-    proxy = CutProxy(port)
-    try:
-        with make_client(proxy.port) as c:
-            c.attach(map_pools=False)
-            for session, start in (("chat-a", 3_100), ("chat-b", 3_300)):
-                prompt = tokens(2 * PAGE, start=start)
-                m = c.match(prompt, lock=True, allocate_tokens=2 * PAGE, session_id=session)
-                c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
-            proxy.armed = 1
-            assert c.close_session("chat-a") == 2  # the path's pages, as the lost answer said
-            assert proxy.cuts == 1
-            held = c.match(tokens(2 * PAGE, start=3_500), lock=True, allocate_tokens=2 * PAGE)
-            proxy.armed = 1
-            done = c.batch([release_op(lock_id=held.lock_id),
-                            release_op(allocation_id=held.allocation_id),
-                            close_session_op("chat-b")])
-            assert proxy.cuts == 2
-            assert done == [None, None, 2]
-            hb = c.heartbeat()
-            assert (hb.locks, hb.allocations) == (0, 0)
-            # Without a lost answer a second Release is still NotFound.
-            (again,) = c.batch([release_op(lock_id=held.lock_id)])
-            assert isinstance(again, NotFound)
-    finally:
-        proxy.close()
+    with attached_through_a_cut_proxy(make_daemon) as (proxy, c):
+        for session, start in (("chat-a", 3_100), ("chat-b", 3_300)):
+            prompt = tokens(2 * PAGE, start=start)
+            m = c.match(prompt, lock=True, allocate_tokens=2 * PAGE, session_id=session)
+            c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
+        proxy.armed = 1
+        assert c.close_session("chat-a") == 2  # the path's pages, as the lost answer said
+        assert proxy.cuts == 1
+        held = c.match(tokens(2 * PAGE, start=3_500), lock=True, allocate_tokens=2 * PAGE)
+        proxy.armed = 1
+        done = c.batch([release_op(lock_id=held.lock_id),
+                        release_op(allocation_id=held.allocation_id),
+                        close_session_op("chat-b")])
+        assert proxy.cuts == 2
+        assert done == [None, None, 2]
+        hb = c.heartbeat()
+        assert (hb.locks, hb.allocations) == (0, 0)
+        # Without a lost answer a second Release is still NotFound.
+        (again,) = c.batch([release_op(lock_id=held.lock_id)])
+        assert isinstance(again, NotFound)
 
 
-def make_client(port: int):  # type: ignore[no-untyped-def]
-    from hicache.client import Client
-
+def make_client(port: int) -> Client:
     return Client(f"127.0.0.1:{port}", engine_id="engine-0", timeout_s=5)
 
 
