@@ -18,9 +18,14 @@ Release, CloseSession, Stats, Health, Flush) are retried a bounded number of tim
 UNAVAILABLE. The others (MatchPrefix, Allocate, Insert, Load, a Batch holding one of them)
 may have taken effect when the connection broke, so they are sent once (after a health
 check, retried the same way, when the connection failed last time); an UNAVAILABLE is
-raised. A retry may follow an attempt that took effect and whose answer was lost: a
-Release then answers NOT_FOUND, which counts as released (also in a Batch), and a
-CloseSession answers what the lost attempt did (the daemon's close is idempotent).
+raised. Retries wait 0.1, 0.3, 0.9 s (the channel reconnects within 1 s). A retry may
+follow an attempt that took effect and whose answer was lost: a Release then answers
+NOT_FOUND, which counts as released (also in a Batch), and a CloseSession answers what the
+lost attempt did (the daemon's close is idempotent). A call the daemon ends as it stops
+(CANCELLED, which this client never causes itself) is Unavailable too. A `matched()` or
+`allocation()` block whose release could not reach the daemon owes it: it is made before
+the next heartbeat (which would renew the lease holding the handles). A call on a closed
+Client is FailedPrecondition.
 
 With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
 pools' device (`sync=False` skips it, `sync=event` waits for that CUDA event only): the

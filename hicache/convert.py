@@ -48,6 +48,17 @@ _POOL_KIND_NAMES = {v: k for k, v in _POOL_KINDS.items()}
 _STATES = {s: getattr(pb, s.value) for s in PrefetchState}
 _STATE_NAMES = {v: k for k, v in _STATES.items()}
 _TIER_COUNTS = ("hit_tokens", "evictions", "backups")
+_PREFETCH_OUTCOMES = ("running", "done", "cancelled", "timed_out", "failed")
+_SINGLE_COUNTS = ("lookups", "l3_errors", "expired_leases")
+# Counter keys the core may use for the same figure (first one canonical).
+_TIER_ALIASES = {"device": ("device", "l1"), "host": ("host", "l2"), "storage": ("storage", "l3")}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    **{f"{n}_{t}": tuple(f"{n}_{a}" for a in al) for n in _TIER_COUNTS for t, al in _TIER_ALIASES.items()},
+    **{f"prefetches_{o}": (f"prefetches_{o}",) for o in _PREFETCH_OUTCOMES},
+    "lookups": ("lookups",),
+    "l3_errors": ("l3_errors",),
+    "expired_leases": ("expired_leases", "leases_expired"),
+}
 
 
 def _known(names: Mapping[Any, _T], value: int, what: str) -> _T:
@@ -60,17 +71,6 @@ def _known(names: Mapping[Any, _T], value: int, what: str) -> _T:
             f"the daemon sent {what} {value}, which this client does not know "
             "(a newer daemon? update hicache on this side)"
         ) from None
-_PREFETCH_OUTCOMES = ("running", "done", "cancelled", "timed_out", "failed")
-_SINGLE_COUNTS = ("lookups", "l3_errors", "expired_leases")
-# Counter keys the core may use for the same figure (first one canonical).
-_TIER_ALIASES = {"device": ("device", "l1"), "host": ("host", "l2"), "storage": ("storage", "l3")}
-_ALIASES: dict[str, tuple[str, ...]] = {
-    **{f"{n}_{t}": tuple(f"{n}_{a}" for a in al) for n in _TIER_COUNTS for t, al in _TIER_ALIASES.items()},
-    **{f"prefetches_{o}": (f"prefetches_{o}",) for o in _PREFETCH_OUTCOMES},
-    "lookups": ("lookups",),
-    "l3_errors": ("l3_errors",),
-    "expired_leases": ("expired_leases", "leases_expired"),
-}
 
 
 # --------------------------------------------------------------------------- tokens, pages
@@ -294,7 +294,9 @@ def prefetch_to_pb(p: PrefetchInfo) -> pb.PrefetchStatusResponse:
 
 def prefetch_from_pb(r: pb.PrefetchStatusResponse) -> PrefetchInfo:
     return PrefetchInfo(
-        state=_known(_STATE_NAMES, r.state, "prefetch state"), tokens_ready=r.tokens_ready, tokens_total=r.tokens_total
+        state=_known(_STATE_NAMES, r.state, "prefetch state"),
+        tokens_ready=r.tokens_ready,
+        tokens_total=r.tokens_total,
     )
 
 

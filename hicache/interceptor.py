@@ -167,12 +167,11 @@ class ServerInterceptor(grpc.ServerInterceptor):
         start = time.perf_counter()
         code = "OK"
         token = None
-        counted = gated
-        if counted:
+        if gated:
             with self._idle:
                 self._active += 1
         try:
-            if counted and self._stopping:
+            if gated and self._stopping:
                 raise Unavailable("the daemon is shutting down; call again once it is back")
             if auth is not None:  # first: an unauthenticated caller learns nothing more
                 token = _authorize(auth, request, context)
@@ -194,7 +193,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 reset_current_principal(token)
             if self._metrics is not None:
                 self._metrics.observe(label, code, time.perf_counter() - start)
-            if counted:
+            if gated:
                 with self._idle:
                     self._active -= 1
                     if self._stopping and not self._active:

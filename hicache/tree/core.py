@@ -1257,8 +1257,8 @@ class HiRadixTree:
 
     def close_session(self, session_id: str) -> int:
         """Drop the session's references (not its data); returns how many pages deep the
-        path it referenced was. Idempotent: a recently closed session returns that number again and
-        changes nothing; an unknown one is NotFound."""
+        path it referenced was. Idempotent: a recently closed session returns that number
+        again and changes nothing; an unknown one is NotFound."""
 
         def drop(session: Session) -> int:
             if session.end is None:
