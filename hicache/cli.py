@@ -124,10 +124,11 @@ def _cmd_health(args: argparse.Namespace) -> int:
 
 
 def _render_health(report: dict[str, Any]) -> str:
+    target = one_line(report["target"])  # (a control character in a path would split it)
     if "error" in report:
         state = "ANSWERS" if report["reachable"] else "UNREACHABLE"
-        return f"daemon at {report['target']}: {state} ({report['error']})"
-    lines = [f"daemon at {report['target']}: {'SERVING' if report['serving'] else 'NOT_SERVING'}"]
+        return f"daemon at {target}: {state} ({one_line(report['error'])})"
+    lines = [f"daemon at {target}: {'SERVING' if report['serving'] else 'NOT_SERVING'}"]
     for b in report["backends"]:
         state = "healthy" if b["healthy"] else "UNHEALTHY"
         latency = "? ms" if b["latency_ms"] is None else f"{b['latency_ms']:.1f} ms"

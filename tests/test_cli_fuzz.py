@@ -891,3 +891,12 @@ def test_a_unix_target_with_uri_characters_is_dialled_as_written(tmp_path: Path,
         assert r.rc == 2 and report["reachable"] is False, r
     else:
         assert r.rc == 0 and report["serving"] is True, r  # (SERVING, no backends)
+
+
+def test_a_target_with_a_control_character_gives_a_one_line_report(tmp_path: Path) -> None:
+    """Found by a longer hunt (HICACHE_FUZZ_EXAMPLES=300, random seed): a unix path holding
+    '\\x1e' (a record separator, which `splitlines` breaks at) was printed raw, so the
+    text report took two lines."""
+    r = run_main(["health", "--target", f"unix://{tmp_path}/\x1e"])
+    assert r.rc == 2 and r.out.startswith("daemon at ") and ": UNREACHABLE (" in r.out, r
+    assert len(r.out.strip().splitlines()) == 1, r.out
