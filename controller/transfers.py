@@ -342,13 +342,10 @@ class Transfers:
 
     def _l1_victim_uncopied(self, victim: Victim) -> None:
         """write_through: a slot whose copy found no room in L2 (its pages held by L3
-        writes in flight) is copied as it leaves L1, or its data would leave every tier,
-        and goes on to L3 as a copy landing in L2 does."""
-        node = victim.node
-        if self._uncopied.pop(id(node), None) is not node:
-            return
-        if self._missing_in_host(node) and self._backup_to_host_or_count(node, "at eviction"):
-            self._maybe_l3([node])
+        writes in flight) leaves L1 as under write_back (`_l1_victim`), or its data would
+        leave every tier. Any other slot is in L2 already: nothing to do."""
+        if self._uncopied.pop(id(victim.node), None) is victim.node:
+            self._l1_victim(victim)
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages
@@ -456,17 +453,15 @@ class Transfers:
                 self.free_l2(kind, host_ids)
         return bool(moves)
 
-    def _backup_to_host_or_count(self, node: object, why: str) -> bool:
+    def _backup_to_host_or_count(self, node: object, why: str) -> None:
         """`backup_to_host` where a failure must not fail the caller (a match, an
-        eviction): the backup is dropped (counted `backups_l2_failed`, logged). Whether
-        a copy was made."""
+        eviction): the backup is dropped (counted `backups_l2_failed`, logged)."""
         try:
-            return self.backup_to_host(node)
+            self.backup_to_host(node)
         except Exception as e:  # the copy engine's error: its pages are freed already
             self.stats["backups_l2_failed"] += 1
             _failed.error(f"{why}:{type(e).__name__}", "L1->L2 copy (%s) failed; not backed up",
                           why, exc_info=e)
-            return False
 
     def after_insert(self, end: object) -> None:
         """Write-through at insert: L1 -> L2 for the path's new pages (on the copy

@@ -13,7 +13,14 @@ from typing import Any
 
 import yaml
 
-from hicache.config import HicacheConfig, load_config, one_line, to_plain
+from hicache.config import (
+    HicacheConfig,
+    header_value,
+    load_config,
+    one_line,
+    read_named_file,
+    to_plain,
+)
 from hicache.endpoint import parse_address
 from hicache.errors import ConfigError, HicacheError
 
@@ -190,22 +197,14 @@ def _token(args: argparse.Namespace) -> str | None:
         return None
     data = _read(args.token_file, "--token-file")
     token = data.decode(errors="replace").strip()  # (empty: no token, as without the option)
-    if not token.isascii() or not token.isprintable():  # (never printed)
+    if not header_value(token):  # (never printed)
         raise UsageError(f"--token-file {one_line(args.token_file)}: the token must be one "
                          "line of printable ASCII (a bearer token)")
     return token or None
 
 
 def _read(path: str, what: str) -> bytes:
-    """A file named by `what` (an option or a configuration key); a usage error (exit 2)
-    naming it when it cannot be read."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except OSError as e:
-        raise UsageError(f"{what} {one_line(path)}: {e.strerror}") from None
-    except ValueError as e:  # a NUL in the name
-        raise UsageError(f"{what} {one_line(path)}: {e}") from None
+    return read_named_file(path, what, UsageError)  # (exit 2)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -57,7 +57,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
 from hicache.client_errors import RETRYABLE, from_rpc_error, op_error
-from hicache.config import MAX_MESSAGE_BYTES
+from hicache.config import MAX_MESSAGE_BYTES, header_value
 from hicache.controller.base import (
     AllocationInfo,
     AttachInfo,
@@ -161,9 +161,9 @@ class Client:
         endpoint = parse_address(target)
         # Both travel in headers: gRPC would fail every call with INTERNAL "Invalid
         # metadata", after connecting (an engine id even after a successful Attach).
-        if token and not (token.isascii() and token.isprintable()):
+        if token and not header_value(token):
             raise InvalidArgument("token: printable ASCII only, one line (value hidden)")
-        if engine_id and not (engine_id.isascii() and engine_id.isprintable()):
+        if engine_id and not header_value(engine_id):
             raise InvalidArgument(f"engine_id: {engine_id!r} is not printable ASCII (it travels "
                                   "in a header)")
         if tls is None:
@@ -247,7 +247,7 @@ class Client:
             try:
                 out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
-                if self._unavailable(e):
+                if e.code() in RETRYABLE:
                     self._reached = False
                 raise self._error(e) from None
             except ValueError as e:  # (closed meanwhile: "Cannot invoke RPC on closed channel!")
@@ -265,10 +265,10 @@ class Client:
                 if released_ok and attempt and e.code() is grpc.StatusCode.NOT_FOUND:
                     self._reached = True
                     return None, True  # type: ignore[return-value]
-                unavailable = self._unavailable(e)
+                unavailable = e.code() in RETRYABLE
                 if unavailable:
                     self._reached = False
-                if not unavailable or attempt == self.retries:
+                if not unavailable or attempt == self.retries or self._closed:
                     raise self._error(e) from None
                 time.sleep(delay)
                 delay *= RETRY_GROWTH
@@ -290,20 +290,8 @@ class Client:
         except HicacheError:
             self._reached = True  # (e.g. UNAUTHENTICATED: the daemon is there)
 
-    def _unavailable(self, e: grpc.RpcError) -> bool:
-        """The daemon could not be reached, or went away during the call: UNAVAILABLE, or
-        CANCELLED that this client did not cause (gRPC's server cancels the calls that
-        reach it while it stops; the sync API here never cancels one)."""
-        code = e.code()  # type: ignore[attr-defined]
-        return code in RETRYABLE or (code is grpc.StatusCode.CANCELLED and not self._closed)
-
     def _error(self, e: grpc.RpcError) -> HicacheError:
-        if self._closed:
-            return self._closed_error()
-        if e.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
-            return Unavailable(f"the daemon ended the call ({e.details() or 'cancelled'}): "  # type: ignore[attr-defined]
-                               "it is stopping or restarting")
-        return from_rpc_error(e)
+        return self._closed_error() if self._closed else from_rpc_error(e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -491,7 +479,7 @@ class Client:
                 self._reached = True
                 yield convert.load_from_pb(msg)
         except grpc.RpcError as e:
-            if self._unavailable(e):
+            if e.code() in RETRYABLE:
                 self._reached = False
             raise self._error(e) from None
         except ValueError as e:

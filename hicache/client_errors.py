@@ -12,7 +12,10 @@ import grpc
 from hicache import errors
 from hicache.errors import HicacheError
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+# The daemon could not be reached, or went away during the call: UNAVAILABLE, or CANCELLED
+# (gRPC's server cancels the calls that reach it while it stops; the client's sync calls
+# never cancel one, and a call on a closed client is told apart by the client).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 # The most general class per code (InvalidArgument, not ConfigError; Unavailable, not
 # BackendUnavailable).
@@ -28,8 +31,10 @@ for _cls in (
     errors.ObjectCorrupt,
 ):
     _BY_CODE[_cls.grpc_code_name] = _cls
-# A daemon that does not answer in time is, to the caller, not available.
+# A daemon that does not answer in time, or that ends the call as it stops, is, to the
+# caller, not available.
 _BY_CODE["DEADLINE_EXCEEDED"] = errors.Unavailable
+_BY_CODE["CANCELLED"] = errors.Unavailable
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -37,6 +42,8 @@ def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
     cls = _BY_CODE.get(code.name)
     if cls is errors.Unavailable and code.name == "DEADLINE_EXCEEDED":
         return cls(f"no answer in time ({message})")
+    if cls is errors.Unavailable and code.name == "CANCELLED":
+        return cls(f"the daemon ended the call ({message or 'cancelled'}): it is stopping or restarting")
     if cls is None:
         return HicacheError(f"{code.name}: {message}")
     return cls(message)

@@ -20,7 +20,7 @@ import re
 import reprlib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -419,7 +419,7 @@ class TokenConfig:
     def _validate(self, path: str) -> None:
         if len(self.token) < 16:
             raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
-        if self.token != self.token.strip() or not self.token.isascii() or not self.token.isprintable():
+        if self.token != self.token.strip() or not header_value(self.token):
             # (a presented token is stripped: one with spaces around could never match)
             raise ConfigError(f"{path}.token: printable ASCII without surrounding spaces (value hidden)")
         if not self.namespaces:
@@ -929,6 +929,24 @@ def _number_text(value: int) -> str:
     """An integer for a message: a huge one by its size, not its 400 digits."""
     text = str(value)
     return text if len(text) <= 24 else f"a {len(text.lstrip('-'))}-digit number"
+
+
+def header_value(text: str) -> bool:
+    """Whether `text` can travel as a gRPC metadata value (a bearer token, an engine id):
+    printable ASCII. Anything else fails every call INTERNAL "Invalid metadata"."""
+    return text.isascii() and text.isprintable()
+
+
+def read_named_file(path: str, what: str, error: Callable[[str], Exception]) -> bytes:
+    """The bytes of a file that a setting or an option (`what`) names; `error(message)`,
+    naming both, when it cannot be read (a missing file, a directory, a NUL in the name)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise error(f"{what}={one_line(path)}: cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise error(f"{what}={one_line(path)}: cannot read it ({e})") from None
 
 
 def one_line(key: object) -> str:

@@ -37,7 +37,7 @@ _unexpected = ThrottledLog(log)
 # against a daemon whose tokens the prober does not hold). It reveals only SERVING or not.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
 # Answered while the daemon stops (NOT_SERVING then, which is what a probe should see).
-_SERVED_WHILE_STOPPING = frozenset({"grpc.health.v1.Health/Check", "grpc.health.v1.Health/Watch"})
+_SERVED_WHILE_STOPPING = frozenset({"grpc.health.v1.Health"})
 
 
 # A status message travels in a trailer, percent-encoded (up to 3 bytes a UTF-8 byte), and
@@ -107,7 +107,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
         label = method.lstrip("/")
         service = label.split("/", 1)[0]
         auth = self._auth if self._auth.enabled and service not in UNAUTHENTICATED_SERVICES else None
-        gated = label not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
+        gated = service not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
         parse = _lenient(label, handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

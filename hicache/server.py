@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hicache.auth import Authenticator
-from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig
+from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig, read_named_file
 from hicache.controller.base import CacheService
 from hicache.endpoint import Endpoint, SocketLock, parse_address
 from hicache.errors import FailedPrecondition
@@ -151,8 +151,8 @@ class Daemon:
             finally:
                 os.umask(old)
         elif self.cfg.server.tls_cert and self.cfg.server.tls_key:
-            key_pem = _read_pem(self.cfg.server.tls_key, "server.tls_key")
-            cert_pem = _read_pem(self.cfg.server.tls_cert, "server.tls_cert")
+            key_pem = read_named_file(self.cfg.server.tls_key, "server.tls_key", FailedPrecondition)
+            cert_pem = read_named_file(self.cfg.server.tls_cert, "server.tls_cert", FailedPrecondition)
             try:
                 creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
             except (RuntimeError, ValueError) as e:
@@ -321,9 +321,3 @@ def _bound(add_port: Callable[[], int]) -> int:
         return 0
 
 
-def _read_pem(path: str, key: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise FailedPrecondition(f"{key}={path}: cannot read it ({e.strerror})") from None

@@ -22,6 +22,7 @@ import grpc
 
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
+from hicache.config import header_value
 from hicache.controller.base import MAX_ENGINE_ID, CacheService, InsertRequest, MatchRequest
 from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument, PermissionDenied
 from hicache.interceptor import op_status
@@ -138,7 +139,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _attach(self, _engine: str, r: pb.AttachRequest) -> pb.AttachResponse:
         if len(r.engine_id) > MAX_ENGINE_ID:  # counted as sent, before `scoped_engine`
             raise InvalidArgument(f"engine_id: {len(r.engine_id)} characters, at most {MAX_ENGINE_ID}")
-        if not (r.engine_id.isascii() and r.engine_id.isprintable()):
+        if not header_value(r.engine_id):
             # Every later call names the engine in a header, which holds printable ASCII
             # only: attached, it could make no call.
             raise InvalidArgument(f"engine_id: {r.engine_id!r} is not printable ASCII "

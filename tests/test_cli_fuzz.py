@@ -51,6 +51,7 @@ from typing import Any
 import grpc
 import pytest
 from daemon.daemonkit import Daemon, free_port
+from fuzzing import fuzz_examples, fuzz_settings
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -64,15 +65,8 @@ from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
-EXAMPLES = int(os.environ.get("HICACHE_FUZZ_EXAMPLES", "30"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    derandomize=os.environ.get("HICACHE_FUZZ_RANDOM") != "1",
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                           HealthCheck.function_scoped_fixture],
-)
+EXAMPLES = fuzz_examples(30)
+FUZZ = fuzz_settings(30, HealthCheck.function_scoped_fixture)
 
 SECRET = "cli-fuzz-SECRET-token-0123456789"  # the daemon's token (and never in any output)
 WRONG = "cli-fuzz-WRONG-token-9876543210ab"

@@ -11,8 +11,9 @@ from hicache.config import (
     default_config_text,
     load_config,
     parse_yaml,
+    read_named_file,
 )
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, FailedPrecondition
 from hicache.types import ComponentKind, HostLayout, StorageBackendName, WritePolicy
 
 
@@ -361,3 +362,16 @@ def test_a_reply_that_could_not_fit_in_a_grpc_message_is_a_configuration_error()
     raw["tiers"]["l1"]["tokens"] = 1 << 20  # now L1 bounds the pages a reply can list
     cfg = build_config(raw)
     assert cfg.max_reply_bytes == 2 * 4 * (1 << 20) + (1 << 20)
+
+
+def test_a_named_file_that_cannot_be_read_is_one_error_naming_setting_and_path(tmp_path) -> None:
+    """The one reader of files a setting or option names (the daemon's TLS key pair, the
+    CLI's --token-file and --ca-file): the caller's error type, one line."""
+    pem = tmp_path / "key.pem"
+    pem.write_bytes(b"PEM")
+    assert read_named_file(str(pem), "server.tls_key", FailedPrecondition) == b"PEM"
+    for path, why in ((tmp_path / "missing.pem", "No such file"), (tmp_path, "Is a directory"),
+                      (f"{tmp_path}/a\x00b", "null byte"), (f"{tmp_path}/two\nlines", "No such file")):
+        with pytest.raises(FailedPrecondition, match=f"server.tls_key=.*cannot read it.*{why}") as e:
+            read_named_file(str(path), "server.tls_key", FailedPrecondition)
+        assert len(str(e.value).splitlines()) == 1

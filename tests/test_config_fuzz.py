@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.cli import describe
@@ -44,14 +45,7 @@ from hicache.config import (
 )
 from hicache.errors import ConfigError
 
-EXAMPLES = int(os.environ.get("HICACHE_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    derandomize=os.environ.get("HICACHE_FUZZ_RANDOM") != "1",
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+FUZZ = fuzz_settings(150)
 
 SECRET = "fuzz-SECRET-token-0123456789abcdef"  # a valid token (>= 16 printable ASCII)
 HICACHE = str(Path(sys.executable).with_name("hicache"))

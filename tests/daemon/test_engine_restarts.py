@@ -19,8 +19,8 @@ import pytest
 from hicache.client import Client
 from hicache.errors import FailedPrecondition, NotFound, Unavailable
 
-from .cutproxy import CutProxy
 from .daemonkit import PAGE, Daemon, free_port, tokens
+from .faultproxy import FaultProxy
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -92,11 +92,11 @@ def test_handles_from_before_a_daemon_restart_name_nothing_after_it(make_daemon:
 
 
 @contextlib.contextmanager
-def attached_through_a_cut_proxy(make_daemon: MakeDaemon) -> Iterator[tuple[CutProxy, Client]]:
-    """A daemon on TCP, a `CutProxy` in front of it, a client attached through it."""
+def attached_through_a_cut_proxy(make_daemon: MakeDaemon) -> Iterator[tuple[FaultProxy, Client]]:
+    """A daemon on TCP, a `FaultProxy` in front of it, a client attached through it."""
     port = free_port()
     make_daemon(listen=f"127.0.0.1:{port}")
-    proxy = CutProxy(port)
+    proxy = FaultProxy(port)
     try:
         with make_client(proxy.port) as c:
             c.attach(map_pools=False)
@@ -107,7 +107,7 @@ def attached_through_a_cut_proxy(make_daemon: MakeDaemon) -> Iterator[tuple[CutP
 
 def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon) -> None:
     with attached_through_a_cut_proxy(make_daemon) as (proxy, c):
-        proxy.armed = 1
+        proxy.cut_answers = 1
         with pytest.raises(Unavailable):
             c.match(tokens(2 * PAGE, start=900), lock=True, allocate_tokens=2 * PAGE)
         assert proxy.cuts == 1
@@ -118,7 +118,7 @@ def test_a_call_whose_answer_was_lost_is_not_sent_again(make_daemon: MakeDaemon)
 
         # A release is safe to repeat: the retry's NotFound means the lost attempt did it.
         m = c.match(tokens(2 * PAGE, start=1900), lock=True, allocate_tokens=2 * PAGE)
-        proxy.armed = 1
+        proxy.cut_answers = 1
         c.release(allocation_id=m.allocation_id)
         assert proxy.cuts == 2
         c.release(lock_id=m.lock_id)
@@ -137,11 +137,11 @@ def test_a_retry_after_a_lost_answer_answers_as_the_lost_attempt_did(make_daemon
             prompt = tokens(2 * PAGE, start=start)
             m = c.match(prompt, lock=True, allocate_tokens=2 * PAGE, session_id=session)
             c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
-        proxy.armed = 1
+        proxy.cut_answers = 1
         assert c.close_session("chat-a") == 2  # the path's pages, as the lost answer said
         assert proxy.cuts == 1
         held = c.match(tokens(2 * PAGE, start=3_500), lock=True, allocate_tokens=2 * PAGE)
-        proxy.armed = 1
+        proxy.cut_answers = 1
         done = c.batch([release_op(lock_id=held.lock_id),
                         release_op(allocation_id=held.allocation_id),
                         close_session_op("chat-b")])

@@ -7,7 +7,7 @@ calls; mid-request inserts with `keep_lock`, decode growth), requests left open 
 steps and finished or abandoned later, a Batch of mixed ops, a standalone allocation, a
 read-back of acknowledged data (prefetch from L3, load from L2, match in L1), prefetch
 status and cancel, close_session, Stats, Health. Before a step a fault may be armed:
-`FaultProxy` (between the client and the daemon's TCP port) cuts the connection at the
+`FaultProxy` (faultproxy.py, between the client and the daemon's TCP port) cuts the connection at the
 client's next request (never reaches the daemon) or at the daemon's next answer (a lost
 answer), breaks a response stream midway, holds answers past the caller's deadline, or
 refuses connections for a while; or the client's deadline is tiny; or the daemon is
@@ -55,7 +55,6 @@ import os
 import random
 import re
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,6 +88,7 @@ from hicache.errors import (
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 
 from .daemonkit import PAGE, Daemon, free_port, scrape
+from .faultproxy import FaultProxy
 
 CALLS = int(os.environ.get("HICACHE_FUZZ_CALLS", "150"))
 SEED = int(os.environ.get("HICACHE_FUZZ_SEED", "20261203"))
@@ -103,163 +103,6 @@ RETRIES = 3
 SLACK_S = 2.0  # a call's time bound: what its attempts allow, plus this (a loaded machine)
 RECOVER_S = 8.0  # how long the client may take to get through once a fault is gone
 UNSAFE_METHODS = ("MatchPrefix", "Allocate", "Insert", "Load")
-
-
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_DATA, _HEADERS = 0x0, 0x1  # HTTP/2 frame types
-_END_STREAM = 0x1  # flag
-
-
-class FaultProxy:
-    """A TCP proxy in front of a daemon that injects connection faults, frame by frame.
-
-    - `cut_requests`: cut both connections at the client's next request HEADERS frame
-      (the call never reaches the daemon);
-    - `cut_sent`: cut once the client's next request went out whole (its DATA frame with
-      END_STREAM forwarded): the daemon gets the call, and its caller is gone while it
-      runs it (the daemon can tell: it must release what the call made);
-    - `cut_answers`: cut at the daemon's next response HEADERS frame (the daemon ran the
-      call; its answer is lost);
-    - `cut_after_data`: cut at the daemon's Nth next response DATA frame (a stream that
-      breaks midway: a Load's progress);
-    - `hold_answers_s`: hold each response HEADERS frame this long (a slow network: the
-      caller's deadline passes while the daemon believes it answered);
-    - `down`: new connections are accepted and closed at once, live ones cut (`go_down`);
-    - `gate`: while set to an unset Event, requests wait for it (whole) before they go on.
-    """
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.cut_requests = 0
-        self.cut_sent = 0
-        self.cut_answers = 0
-        self.cut_after_data = 0
-        self.hold_answers_s = 0.0
-        self.down = False
-        self.gate: threading.Event | None = None
-        self.cuts = 0
-        self._closed = False
-        self._mu = threading.Lock()
-        self._live: set[socket.socket] = set()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def disarm(self) -> None:
-        self.cut_requests = self.cut_sent = self.cut_answers = self.cut_after_data = 0
-        self.hold_answers_s = 0.0
-        self.down = False
-
-    def go_down(self) -> None:
-        self.down = True
-        with self._mu:
-            live = list(self._live)
-        self._close(*live)
-
-    def close(self) -> None:
-        self._closed = True
-        self.go_down()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # (wakes the accepting thread)
-        self._listener.close()
-
-    def _take(self, name: str) -> bool:
-        with self._mu:
-            left = getattr(self, name)
-            if left <= 0:
-                return False
-            setattr(self, name, left - 1)
-            self.cuts += 1
-            return True
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            if self.down:
-                self._close(client)
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=2)
-                upstream.settimeout(None)
-            except OSError:
-                self._close(client)
-                continue
-            with self._mu:
-                self._live.update((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _close(self, *socks: socket.socket) -> None:
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-            with self._mu:
-                self._live.discard(s)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
-        """Forward frame by frame (9-byte HTTP/2 frame headers, after the client's preface
-        on the request side), cutting both connections where a fault is armed."""
-        buf = b""
-        preface = len(_PREFACE) if requests else 0
-        try:
-            while data := src.recv(65536):
-                buf += data
-                out = b""
-                if preface:
-                    n = min(preface, len(buf))
-                    out, buf, preface = buf[:n], buf[n:], preface - n
-                while len(buf) >= 9 and not preface:
-                    size = int.from_bytes(buf[:3], "big")
-                    if len(buf) < 9 + size:
-                        break
-                    kind, flags = buf[3], buf[4]
-                    stream = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
-                    frame, buf = buf[: 9 + size], buf[9 + size :]
-                    if stream and kind == _HEADERS and requests and self._take("cut_requests"):
-                        raise _Cut(out)
-                    if stream and requests and (gate := self.gate) is not None and not gate.is_set():
-                        if out:
-                            dst.sendall(out)
-                            out = b""
-                        gate.wait(10)
-                    if (stream and kind == _DATA and flags & _END_STREAM and requests
-                            and self._take("cut_sent")):
-                        raise _Cut(out + frame)
-                    if stream and kind == _HEADERS and not requests:
-                        if self._take("cut_answers"):
-                            raise _Cut(out)
-                        if self.hold_answers_s:
-                            if out:
-                                dst.sendall(out)
-                                out = b""
-                            time.sleep(self.hold_answers_s)
-                    if stream and kind == _DATA and not requests and self.cut_after_data:
-                        with self._mu:
-                            self.cut_after_data -= 1
-                            cut = self.cut_after_data == 0
-                            self.cuts += cut
-                        if cut:
-                            raise _Cut(out)
-                    out += frame
-                if out:
-                    dst.sendall(out)
-        except _Cut as cut:
-            with contextlib.suppress(OSError):
-                if cut.out:
-                    dst.sendall(cut.out)
-        except OSError:
-            pass
-        self._close(src, dst)
-
-
-class _Cut(Exception):
-    def __init__(self, out: bytes) -> None:
-        super().__init__("cut")
-        self.out = out
 
 
 def daemon_sets(l3: Path, metrics_port: int) -> tuple[str, ...]:
@@ -1311,9 +1154,9 @@ def test_handles_a_lock_block_could_not_release_are_released_once_the_daemon_is_
 
 def test_a_call_on_a_closed_client_raises_a_hicache_error(tmp_path: Path) -> None:
     """An engine's scheduler thread still calling while its shutdown path closed the client
-    (or an `on_detached` callback attaching after close) gets a ValueError that no
-    `except HicacheError` catches. (A call in flight when close() runs fails with the
-    plain HicacheError 'CANCELLED: Channel closed!': typed, if generic.)"""
+    (or an `on_detached` callback attaching after close) got a ValueError that no
+    `except HicacheError` catches. (A call in flight when close() runs fails the same way:
+    FailedPrecondition, the client is closed.)"""
     c = Client(f"unix://{tmp_path}/nobody.sock", engine_id="closed", timeout_s=1)
     c.close()
     for call in (c.stats, lambda: c.match(b"\x01\x00\x00\x00", lock=True), lambda: list(c.load(1))):

@@ -228,6 +228,9 @@ def test_unexpected_exceptions_are_internal_and_unknown_codes_stay_generic() -> 
     assert code is grpc.StatusCode.INTERNAL and "KeyError" in message
     assert type(error_for(grpc.StatusCode.UNIMPLEMENTED, "m")) is errors.HicacheError
     assert isinstance(error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "m"), errors.Unavailable)
+    # A daemon ending the call as it stops is away too (the client tells its own close apart).
+    cancelled = error_for(grpc.StatusCode.CANCELLED, "")
+    assert isinstance(cancelled, errors.Unavailable) and "stopping or restarting" in str(cancelled)
 
 
 # --------------------------------------------------------------------------- auth, addresses
