@@ -290,8 +290,11 @@ class HybridCacheController(CacheService):
             beyond_l3 = self.l3 is not None and len(req.tokens) // self._pb * self._ps > known
             prev = self.tree.chain_prev(req.namespace, base) if beyond_l3 else b""
             storage_base = m.path[-1] if m.path else None
+            # Past the storage boundary L3 may go on where it cannot serve the tree's own
+            # storage part from the host boundary: only if that part's FULL pages are here.
             storage_prev = (self.tree.chain_prev(req.namespace, storage_base)
-                            if beyond_l3 and in_tree else b"")
+                            if beyond_l3 and in_tree and storage_base is not None
+                            and self.tree.full_in_host(storage_base) else None)
             lock_id = 0
             if m.lock is not None and wants_lock:
                 lock_id = self._engines.add_lock(
@@ -299,22 +302,27 @@ class HybridCacheController(CacheService):
                 )
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
+        lead = 0  # the tree's storage part, when the prefetch must start past it
         if beyond_l3:
             try:
                 beyond = chain_hashes(prev, req.tokens[known * 4 :], self._pb)
                 run = self.prefetcher.l3_run(req.namespace, beyond)
-                if in_tree and run * self._ps < in_tree:
+                if in_tree and run * self._ps < in_tree and storage_prev is not None:
                     # L3 cannot serve the tree's own storage part from the host boundary
-                    # (it lost FULL pages L2 holds): continue from the storage boundary.
-                    base, known, in_tree = storage_base, known + in_tree, 0
-                    beyond = chain_hashes(storage_prev, req.tokens[known * 4 :], self._pb)
-                    run = self.prefetcher.l3_run(req.namespace, beyond)
+                    # (it lost FULL pages L2 holds): continue from the storage boundary if
+                    # L3 can. The window before that boundary is only in L3, so a boundary
+                    # past it must bring its whole window.
+                    after = chain_hashes(storage_prev, req.tokens[(known + in_tree) * 4 :], self._pb)
+                    if past := self.prefetcher.l3_run(req.namespace, after, window_inside=True):
+                        base, known, lead, in_tree = storage_base, known + in_tree, in_tree, 0
+                        beyond, run = after, past
                 fetch = run
                 budget = self.prefetcher.budget_left()
                 if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:
                     # Over the prefetch budget: stop at the deepest boundary a hybrid model
                     # can reuse (an earlier checkpoint), not at a page it could not use.
-                    fetch = self.prefetcher.l3_run(req.namespace, beyond, limit=budget)
+                    fetch = self.prefetcher.l3_run(req.namespace, beyond, limit=budget,
+                                                   window_inside=bool(lead))
             except BaseException:  # (a backend's unexpected error): the caller gets no lock
                 with self._mu:
                     if lock_id:
@@ -323,7 +331,9 @@ class HybridCacheController(CacheService):
                     elif m.lock is not None and m.lock.active:
                         self.tree.unlock(m.lock)
                 raise
-            storage_tokens += max(0, run * self._ps - in_tree)
+            # From the host boundary (the tree's storage part included), what L3 serves;
+            # past a fallback, the tree's part and what L3 holds after it.
+            storage_tokens += run * self._ps - in_tree
             beyond = beyond[: fetch * PAGE_HASH_BYTES]
         prefetch_id = 0
         alloc_id = 0
@@ -356,7 +366,8 @@ class HybridCacheController(CacheService):
                         and (base is None or self.tree.is_live(base))):
                     in_l1 = m.device_tokens == self.tree.depth_tokens(base)
                     prefetch_id = self.prefetcher.start_op(req.namespace, req.tokens, base,
-                                                           beyond, to_l1=in_l1, owner=engine_id)
+                                                           beyond, to_l1=in_l1, owner=engine_id,
+                                                           lead_tokens=lead)
                     if prefetch_id and lock_id:
                         self._prefetch_of_lock[lock_id] = prefetch_id
                 lock_alive()

@@ -78,15 +78,24 @@ class PrefetchOp:
     # first, while the worker still holds its pages (mutex).
     finished: bool = False
     waited_s: float = 0.0  # spent waiting for writes in flight so far (`_wait_left`)
+    # Tokens between the match's host boundary and `start_page`: the tree's own storage
+    # part, when L3 could not serve it and the op fetches past it (its FULL pages are in
+    # L2; it becomes usable with the first boundary the op makes reusable). Counted in
+    # tokens_ready and tokens_total, which are both measured from the host boundary, like
+    # the match's storage_tokens.
+    lead_tokens: int = 0
+
+    def _ready_tokens(self) -> int:
+        return self.pages_ready * self.page_size + self.lead_tokens if self.pages_ready else 0
 
     def info(self) -> PrefetchInfo:
         with self.mu:
-            total = len(self.hashes) * self.page_size
+            total = len(self.hashes) * self.page_size + self.lead_tokens
             if (self.state is PrefetchState.RUNNING and self.deadline is not None
                     and time.monotonic() >= self.deadline):
                 self.state = PrefetchState.TIMED_OUT
-                self.reported = self.pages_ready * self.page_size
-            ready = self.pages_ready * self.page_size if self.reported is None else self.reported
+                self.reported = self._ready_tokens()
+            ready = self._ready_tokens() if self.reported is None else self.reported
             return PrefetchInfo(self.state, ready, total)
 
     def cancel(self) -> None:
@@ -94,7 +103,7 @@ class PrefetchOp:
             self.cancelled = True
             if self.state is PrefetchState.RUNNING:
                 self.state = PrefetchState.CANCELLED
-                self.reported = self.pages_ready * self.page_size
+                self.reported = self._ready_tokens()
 
 
 class Prefetcher:
@@ -143,10 +152,14 @@ class Prefetcher:
         return [dev for op in self._ops.values() for moves in op.l1_moves
                 for _, k, _, dev in moves if k is kind]
 
-    def l3_run(self, namespace: str, hashes: bytes, limit: int | None = None) -> int:
+    def l3_run(self, namespace: str, hashes: bytes, limit: int | None = None,
+               window_inside: bool = False) -> int:
         """The deepest page boundary beyond the tree (at most `limit` pages) that L3 can
         serve: every page before it has its FULL family, windowed components (SWA) have
-        the `window` pages before it, point components (MAMBA) a checkpoint exactly there."""
+        the `window` pages before it, point components (MAMBA) a checkpoint exactly there.
+        The window pages before `hashes` are taken to be in L2 (they are at a host
+        boundary); `window_inside`: they are not (a storage boundary), so a boundary's
+        window must lie among `hashes`."""
         l3 = self.ctl.l3
         assert l3 is not None
         page_hashes = split_hashes(hashes)
@@ -162,7 +175,10 @@ class Prefetcher:
             for comp in others:
                 members = fam(comp.kind)
                 if comp.per_page:
-                    lo = max(0, b - comp.window_pages) if comp.window_pages else 0
+                    lo = b - comp.window_pages if comp.window_pages else 0
+                    if lo < 0 and window_inside:
+                        return 0  # (and so would every shallower boundary)
+                    lo = max(0, lo)
                     ok = l3.present_run(namespace, page_hashes[lo:b], members) == b - lo
                 else:
                     ok = l3.has(namespace, page_hashes[b - 1], members)
@@ -179,10 +195,10 @@ class Prefetcher:
                 return op_id
 
     def start_op(self, namespace: str, tokens: bytes, tail: object | None, hashes: bytes,
-                 to_l1: bool = False, owner: str = "") -> int:
+                 to_l1: bool = False, owner: str = "", lead_tokens: int = 0) -> int:
         """Reserve host pages and queue the reads (caller holds the mutex); `to_l1`: the
-        path down to `tail` is in L1, so arriving batches may follow it there. Returns 0
-        when nothing could be reserved."""
+        path down to `tail` is in L1, so arriving batches may follow it there;
+        `lead_tokens`: see `PrefetchOp`. Returns 0 when nothing could be reserved."""
         cfg = self.ctl.cfg
         ps = cfg.model.page_size
         want = len(hashes) // PAGE_HASH_BYTES
@@ -223,6 +239,7 @@ class Prefetcher:
             page_size=ps,
             to_l1=to_l1,
             owner=owner,
+            lead_tokens=lead_tokens,
         )
         op.pin = pin
         self._reserved_pages += n
@@ -416,9 +433,12 @@ class Prefetcher:
             end = result.end if result.end is not None else (op.pin.end if op.pin else None)
             self._mark_in_storage(op, end, lo, hi, slot is not None)
             # tokens_ready is a usable prefix: a hybrid model's batch end is one only
-            # with its window and checkpoint, i.e. the op's last page with the checkpoint.
+            # with its window and checkpoint, i.e. the op's last page with the checkpoint;
+            # and only if the path down to it is reusable from L1 and L2 (an op that
+            # starts past the host boundary needs the tree's part before it there too).
             hybrid = len(self.tree.components) > 1
-            if not hybrid or (hi == len(op.hashes) and (slot is not None or MAMBA not in op.host)):
+            if ((not hybrid or (hi == len(op.hashes) and (slot is not None or MAMBA not in op.host)))
+                    and end is not None and self.tree.reusable_from_host(end)):
                 with op.mu:
                     op.pages_ready = hi
             if op.to_l1 and end is not None:

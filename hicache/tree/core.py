@@ -505,6 +505,19 @@ class HiRadixTree:
         lock.device_end = lock.end
         return self._device_pages(path, last)  # type: ignore[arg-type]
 
+    def full_in_host(self, node: object) -> bool:
+        """Whether every FULL page on the path to `node` is in L1 or L2 (what else the
+        prefix needs at its end may not be: see `reusable_from_host`)."""
+        path = self.path_to(node)
+        return self.components[FULL_INDEX].valid_prefix(path, LOW_TIERS[1]) == len(path)  # type: ignore[arg-type]
+
+    def reusable_from_host(self, node: object) -> bool:
+        """Whether the prefix ending at `node` is reusable from L1 and L2 alone: every page
+        of its path in one of them, and what each component needs at its end (an SWA
+        window, a MAMBA checkpoint). What a prefetch may count as ready."""
+        path = self.path_to(node)
+        return bool(path) and self._boundary(path, LOW_TIERS[1]) == len(path)  # type: ignore[arg-type]
+
     def unlock(self, lock: TreeLock) -> None:
         """Release a lock. Raises NotFound when it was released already."""
         if not lock.active:
