@@ -171,11 +171,17 @@ class HybridCacheController(CacheService):
         self.prefetcher.close(deadline)
         self.transfers.close(deadline)
         self.transfers.copier.close()  # it holds views of both pools: before they close
+        host_free = True
         if self.l3 is not None:
             self.l3.backend.unregister_host_buffer(self.host.buffer_address)
-            self.l3.backend.close()
+            host_free = self.l3.backend.close(max(0.0, deadline - time.monotonic()))
         self.device.close()
-        self.host.close()
+        if not host_free:
+            # A call into the store given up on still runs and may move data into L2:
+            # unmapped under it, that could crash the process. The mapping goes with it.
+            log.warning("L3 %s: a call still runs at close; L2 stays mapped until the process "
+                        "ends", self.cfg.storage.backend.value)
+        self.host.close(keep_memory=not host_free)
 
     # ------------------------------------------------------------------ engines
 

@@ -243,6 +243,13 @@ class HostPools(MemberPools):
     def object_bytes(self) -> dict[str, int]:
         """`page_first` only: size of one page object (header + payload) per member."""
 
+    @abc.abstractmethod
+    def close(self, keep_memory: bool = False) -> None:
+        """Release the memory (unmap, unregister) after stopping helper threads;
+        `keep_memory`: stop the threads only and leave the memory mapped (and pinned)
+        until the process ends, for a writer that may still land in it (an L3 call given
+        up on). Idempotent."""
+
 
 @dataclass(frozen=True)
 class CopyResult:

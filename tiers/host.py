@@ -174,10 +174,12 @@ class HostBufferPools(MemberTable, HostPools):
         spec, _ = self._slot(member, page_id)
         return self._address + self._offsets[member] + int(page_id) * self.slot_bytes(spec)
 
-    def close(self) -> None:
+    def close(self, keep_memory: bool = False) -> None:
         if self._prefault is not None:
             self._prefault.stop()  # before the memory goes
             self._prefault = None
+        if keep_memory:
+            return
         if self._pinned_chunks:
             from hicache.tiers.cuda import unregister_host_memory
 

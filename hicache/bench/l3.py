@@ -243,7 +243,7 @@ def _measure(
 
 
 def _open(
-    name: str, args: argparse.Namespace, tmp: str, cleanup: list[Callable[[], None]]
+    name: str, args: argparse.Namespace, tmp: str, cleanup: list[Callable[[], object]]
 ) -> StorageBackend:
     nbytes = args.l3_objects * (HEADER_BYTES + args.l3_object_kib * 1024)
     if name == "file":
@@ -289,7 +289,7 @@ def run_l3(args: argparse.Namespace) -> dict[str, Any]:
     skipped: dict[str, str] = {}
     tmp = args.l3_dir or tempfile.mkdtemp(prefix="hicache-bench-l3-")
     for name in [n.strip() for n in args.l3_backends.split(",") if n.strip()]:
-        cleanup: list[Callable[[], None]] = []
+        cleanup: list[Callable[[], object]] = []
         try:
             backend = _open(name, args, tmp, cleanup)
             for pool in (src, dst):

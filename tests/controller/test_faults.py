@@ -11,6 +11,7 @@ from engine_sim import Engine, evict_all, seq, tiny_config
 
 from hicache.controller.base import MatchRequest
 from hicache.controller.controller import build_controller
+from hicache.errors import FailedPrecondition
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
@@ -142,3 +143,43 @@ def test_a_backend_that_fails_to_register_is_retried_not_fatal(tmp_path, redis_f
         assert not failures and ctl._prober.is_alive()
     finally:
         ctl.close()
+
+
+@pytest.mark.parametrize("still_running", [True, False])
+def test_close_frees_l2_only_once_no_l3_call_can_write_into_it(
+    tmp_path, monkeypatch, caplog, still_running: bool
+) -> None:
+    """An L3 call given up on may still move data into L2 (a Mooncake transfer into the
+    registered pool): while the backend's close says one still runs, L2 stays mapped
+    until the process ends (logged); otherwise it is freed."""
+    ctl = build_controller(tiny_config(tmp_path), f"closing{int(still_running)}x{time.monotonic_ns() % 100000}")
+    assert ctl.l3 is not None
+    waits: list[float] = []
+    kept: list[bool] = []
+    real_close = ctl.host.close
+    backend = ctl.l3.backend
+    real_backend_close = backend.close
+
+    def backend_close(wait_s: float = 0.0) -> bool:
+        waits.append(wait_s)
+        real_backend_close(wait_s)
+        return not still_running
+
+    def host_close(keep_memory: bool = False) -> None:
+        kept.append(keep_memory)
+        real_close(keep_memory)
+
+    monkeypatch.setattr(backend, "close", backend_close)
+    monkeypatch.setattr(ctl.host, "close", host_close)
+    try:
+        ctl.close()
+        assert kept == [still_running] and len(waits) == 1 and waits[0] > 0
+        assert ("L2 stays mapped" in caplog.text) is still_running
+        member = ctl.cfg.model.members[0].name
+        if still_running:
+            assert ctl.host.payload_view(member, 0).sum() >= 0  # mapped: readable
+        else:
+            with pytest.raises(FailedPrecondition):
+                ctl.host.payload_view(member, 0)
+    finally:
+        real_close()

@@ -22,8 +22,10 @@ Failure model:
   replaces the object may remove the fresh copy: then the key is a miss, never wrong bytes.
 - NOTE: after a *timed-out* `get_into` the store may still write into the buffers later (the
   transfer runs on in the client library). Callers must treat those buffers as owned by the
-  backend until `stats().stuck_calls` drops back to zero, or simply not reuse them before
-  `close()`. Successful calls never touch the buffers afterwards.
+  backend until `stats().stuck_calls` drops back to zero; `close(wait_s)` waits for such
+  calls (bounded) and says whether one still runs, in which case registered memory must
+  not be freed. Successful calls never touch the buffers afterwards.
+- Buffers of one batch share no memory (the same buffer may come again for the same key).
 
 Thread safety: every public method may be called from several threads at once.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import enum
 import logging
@@ -46,6 +49,7 @@ from typing import ParamSpec, TypeVar
 
 import numpy as np
 
+from hicache.arrays import any_of
 from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
 from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage.bounded import BoundedCaller
@@ -331,8 +335,8 @@ class StorageBackend(abc.ABC):
                 if status is PutStatus.STORED:
                     c.stored += 1
                     c.bytes_written += buffers[i].nbytes
-                elif status is PutStatus.FAILED:
-                    c.put_failed += 1
+            # Per key given, like `puts` (a repeated key shares its first copy's outcome).
+            c.put_failed += sum(1 for s in out if s is PutStatus.FAILED)
             c.present += sum(1 for s in out if s is PutStatus.PRESENT)
         return out
 
@@ -372,8 +376,13 @@ class StorageBackend(abc.ABC):
         return BackendStats(name=self.name, stuck_calls=self._stuck_calls(), **fields)
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Release connections and threads. Idempotent; never raises for a dead store."""
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Release connections and threads. Calls given up on after `storage.timeout_s`
+        may still run in the client library, writing into buffers they were given: they
+        are waited for, at most `wait_s`. Returns whether none still runs (False: the
+        memory of buffers given to this backend must not be freed or reused yet).
+        Idempotent; never raises for a dead store."""
+        return True
 
     # ------------------------------------------------------------------ backend hooks
 
@@ -549,3 +558,32 @@ def _check_batch(keys: Sequence[str], buffers: Sequence[np.ndarray]) -> None:
             )
         if not buf.flags.writeable:  # (a get fills it; a put writes its header into it)
             raise InvalidArgument("L3 buffers must be writable (got a read-only array)")
+    if len(buffers) > 1:
+        _check_disjoint(keys, buffers)
+
+
+def _check_disjoint(keys: Sequence[str], buffers: Sequence[np.ndarray]) -> None:
+    """Buffers of one batch share no memory: a get would fill one with two keys' objects
+    (and judge the first corrupt, removing a good object), a put would store one key's
+    payload under the other's header. The same buffer may come again for the same key.
+    ~0.6 us a buffer (its address; `ctypes` is the cheapest way to it, numpy's attributes
+    cost twice that); the rare batch with a shared span is sorted out in Python."""
+    n = len(buffers)
+    address, char = ctypes.addressof, ctypes.c_char.from_buffer  # (buffers are writable)
+    # (numpy arrays export the buffer protocol; its stubs do not say so)
+    starts = np.fromiter((address(char(b)) for b in buffers), dtype=np.uint64, count=n)  # type: ignore[arg-type]
+    ends = starts + np.fromiter((b.nbytes for b in buffers), dtype=np.uint64, count=n)
+    order = np.argsort(starts, kind="stable")
+    if not any_of(np.maximum.accumulate(ends[order])[:-1] > starts[order][1:]):
+        return
+    spans: dict[tuple[int, int], str] = {}
+    for key, start, end in zip(keys, starts.tolist(), ends.tolist(), strict=True):
+        if spans.setdefault((start, end), key) != key:
+            raise InvalidArgument(f"L3 buffers of one batch share memory: keys ...{spans[(start, end)][-16:]} "
+                                  f"and ...{key[-16:]} were given the same buffer")
+    reach = 0
+    for start, end in sorted(spans):
+        if start < reach:
+            raise InvalidArgument("L3 buffers of one batch share memory: two of them overlap "
+                                  "(each key needs a buffer of its own)")
+        reach = max(reach, end)

@@ -7,6 +7,11 @@ write); its thread runs on (a C call cannot be interrupted), is counted in `stuc
 while any call is stuck every new call fails fast instead of piling more threads onto a
 dead service. When the stuck call finally returns, calls go through again.
 
+`close(wait_s)` cancels what has not started and waits (bounded) for what runs: a stuck
+call may still write into the buffers it was given, so the caller learns whether any
+still runs before it frees them. A fanned-out call (`map`) under way ends as soon as the
+caller closes, not after its whole timeout.
+
 Measured here: with the Mooncake master killed, client calls block 4-13 s before failing,
 and `setup()` against a missing master blocks ~90 s; all of them release the GIL.
 """
@@ -27,6 +32,9 @@ _R = TypeVar("_R")
 # How long `submit_started` waits for a worker: an idle one starts within a millisecond; a
 # longer wait means all are busy, and waiting more would only delay the caller's own work.
 STARTED_WAIT_S = 0.05
+# How often a fanned-out call waiting on its parts looks whether the caller was closed
+# (cancelled parts do not wake `concurrent.futures.wait`).
+CLOSE_POLL_S = 0.05
 
 
 class BoundedCaller:
@@ -37,11 +45,19 @@ class BoundedCaller:
         self._lock = threading.Lock()
         self._stuck = 0
         self._stuck_since = 0.0
+        self._running: set[cf.Future[Any]] = set()  # submitted and not done (under `_lock`)
+        self._closed = threading.Event()
 
     @property
     def stuck(self) -> int:
         with self._lock:
             return self._stuck
+
+    @property
+    def running(self) -> int:
+        """Calls submitted and not done (stuck ones included)."""
+        with self._lock:
+            return len(self._running)
 
     def call(
         self,
@@ -70,9 +86,17 @@ class BoundedCaller:
                     "failing fast until it does"
                 )
         try:
-            return self._pool.submit(fn, *args, **kwargs)
+            future = self._pool.submit(fn, *args, **kwargs)
         except RuntimeError as e:  # pool shut down
             raise BackendUnavailable(f"{self.name}: closed") from e
+        with self._lock:
+            self._running.add(future)
+        future.add_done_callback(self._finished)  # (at once if it is done already)
+        return future
+
+    def _finished(self, future: cf.Future[Any]) -> None:
+        with self._lock:
+            self._running.discard(future)
 
     def submit_started(
         self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
@@ -121,7 +145,18 @@ class BoundedCaller:
         if len(arg_tuples) == 1:
             return [self.call_within(timeout, fn, *arg_tuples[0])]
         futures = [self.submit(fn, *args) for args in arg_tuples]
-        _, late = cf.wait(futures, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        late = set(futures)
+        while late and not self._closed.is_set() and (left := deadline - time.monotonic()) > 0:
+            _, late = cf.wait(late, timeout=min(left, CLOSE_POLL_S))
+        late = {f for f in late if not f.done()}
+        if self._closed.is_set() and (late or any(f.cancelled() for f in futures)):
+            # Closed meanwhile: parts that had not started were cancelled; the others
+            # may still write into the caller's buffers, which stay theirs until done.
+            if not late:
+                raise BackendUnavailable(f"{self.name}: closed")
+            self._stick(list(late))
+            raise BackendTimedOut(f"{self.name}: closed while the call ran", list(late))
         if late:
             self._stick(list(late))
             raise BackendTimedOut(
@@ -141,6 +176,20 @@ class BoundedCaller:
         with self._lock:
             self._stuck -= 1
 
-    def close(self) -> None:
-        """Stop accepting calls; does not wait for stuck ones."""
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` until no call runs (stuck ones included); whether none
+        does."""
+        with self._lock:
+            running = list(self._running)
+        if not running:
+            return True
+        _, left = cf.wait(running, timeout=max(0.0, timeout_s))
+        return not left
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Stop accepting calls: those not started are cancelled; those running (stuck
+        ones included) are waited for, at most `wait_s`. Whether none still runs (False:
+        one may still write into the buffers it was given)."""
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        return self.wait_idle(wait_s)

@@ -51,7 +51,7 @@ from hicache.tiers.storage.fanout import (
     exists_rounds,
     runs,
 )
-from hicache.tiers.storage.integrity import check_object, key_digest
+from hicache.tiers.storage.integrity import check_object, key_digest, truncated_of_ours
 from hicache.tiers.storage.mounts import fs_type_of, is_shared_fs
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ _CLOCK_MARGIN_S = 2.0
 
 
 _PID = re.compile(r"[0-9]+")  # (ASCII digits: `isdigit` takes '²', which int() refuses)
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # an object's name: its key's digest, in hex
 
 
 def _writer_gone(pid: int, mtime: float) -> bool:
@@ -153,8 +154,8 @@ class FileBackend(StorageBackend):
             self.threads,
         )
 
-    def close(self) -> None:
-        self._caller.close()
+    def close(self, wait_s: float = 0.0) -> bool:
+        return self._caller.close(wait_s)
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, str, int]] = []
@@ -168,7 +169,11 @@ class FileBackend(StorageBackend):
                         if now - st.st_mtime > STALE_TEMP_S or self._dead_writers_temp(name, st.st_mtime):
                             os.unlink(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
-                        found.append((st.st_mtime, name[: -len(SUFFIX)], st.st_size))
+                        h = name[: -len(SUFFIX)]
+                        # Only objects this code names, where it puts them: another file
+                        # would be counted against the capacity and never found to evict.
+                        if _DIGEST.fullmatch(h) and path == self._path(h) and stat.S_ISREG(st.st_mode):
+                            found.append((st.st_mtime, h, st.st_size))
                 except OSError as e:
                     if e.errno not in _SKIPPED_AT_START_ERRNOS:
                         raise _unavailable(path, e) from None
@@ -373,7 +378,7 @@ class FileBackend(StorageBackend):
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = self._path(h)
-            if os.access(path, os.F_OK):
+            if _holds_whole(path, key, buf.nbytes):
                 out.append(PutStatus.PRESENT)
                 continue
             tmp = path + tmp_suffix
@@ -497,6 +502,30 @@ def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:
     if got > size:
         return os.fstat(fd).st_size
     return got
+
+
+def _holds_whole(path: str, key: str, nbytes: int) -> bool:
+    """Whether a put of `key`'s `nbytes`-byte object at `path` is done already: something
+    is there and it is not our object of this key cut short (shorter than a header, or
+    our header for this key and length with fewer bytes: a writer that died without
+    fsync). A torn one is written again, where answering PRESENT would leave the caller
+    recording a page in L3 that no node can read; anything else is left alone, as reads
+    leave it."""
+    try:
+        st = os.stat(path)
+    except OSError:  # nothing there (or no way to tell: the write says which)
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size >= nbytes:
+        return True
+    if st.st_size < HEADER_BYTES:
+        return False
+    head = np.zeros(nbytes, dtype=np.uint8)
+    try:
+        with open(path, "rb") as f:
+            f.readinto(head[:HEADER_BYTES].data)
+    except OSError:
+        return True  # (unreadable: not ours to judge)
+    return not truncated_of_ours(head, key, st.st_size)
 
 
 def _discard(path: str) -> None:

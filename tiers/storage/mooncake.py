@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import socket
+import time
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any
@@ -143,14 +144,25 @@ class MooncakeBackend(StorageBackend):
                     f"mooncake: the {what} {shown} does not accept connections ({e})"
                 ) from None
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> bool:
+        # A call given up on runs on in the client, and may still move data into
+        # registered memory: the client is closed only once none runs (closing it under a
+        # transfer could crash the process), and the caller learns whether one still does.
+        deadline = time.monotonic() + wait_s
+        idle = self._caller.wait_idle(wait_s)
         store, self._store = self._store, None
         if store is not None:
-            try:
-                self._caller.call(store.close)
-            except BackendUnavailable as e:
-                log.warning("mooncake: close did not finish: %s", e)
-        self._caller.close()
+            if not idle:
+                log.warning("mooncake: %d call(s) still running after %g s; the client is "
+                            "left open under them", self._caller.running, wait_s)
+            else:
+                try:  # (the client takes seconds to close: the rest of `wait_s` if longer)
+                    self._caller.call_within(max(self._caller.timeout_s, deadline - time.monotonic()),
+                                             store.close)
+                except BackendUnavailable as e:
+                    log.warning("mooncake: close did not finish: %s", e)
+                    idle = False
+        return self._caller.close() and idle
 
     def register_host_buffer(self, address: int, size: int) -> None:
         if (address, address + size) in self._regions:
@@ -166,12 +178,12 @@ class MooncakeBackend(StorageBackend):
         region = next((r for r in self._regions if r[0] == address), None)
         if region is None:
             return
-        self._regions.remove(region)
         try:
             rc = self._caller.call(self.store.unregister_buffer, address)
-        except BackendUnavailable as e:
+        except BackendUnavailable as e:  # (a call is stuck: the region stays registered)
             log.warning("mooncake: unregister_buffer(%#x) did not answer: %s", address, e)
             return
+        self._regions.remove(region)  # (on an error code too: the client's state is unknown)
         if rc != 0:
             log.warning("mooncake: unregister_buffer(%#x) returned %d", address, rc)
 

@@ -20,8 +20,8 @@ class NullBackend(StorageBackend):
     def start(self) -> None:
         return None
 
-    def close(self) -> None:
-        return None
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True
 
     def _exists(self, keys: Sequence[str]) -> list[bool]:
         return [False] * len(keys)

@@ -64,13 +64,14 @@ class RedisBackend(StorageBackend):
         )
         self._probe()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> bool:
         self._caller.close()
         if self._client is not None:
             self._client.close()
         if self._pool is not None:
-            self._pool.disconnect()
+            self._pool.disconnect()  # a stuck call's socket closes under it: it fails
         self._client = self._pool = None
+        return self._caller.wait_idle(wait_s)
 
     @property
     def client(self) -> redis.Redis:

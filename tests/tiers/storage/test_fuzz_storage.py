@@ -457,7 +457,7 @@ class Session:
                 want.append(PutStatus.PRESENT)
                 continue
             first[key] = j
-            if present(self.model[key]):
+            if present(self.model[key]) and not self._torn(key, self.model[key], bufs[j].nbytes):
                 want.append(PutStatus.PRESENT)
             else:
                 want.append(PutStatus.STORED)
@@ -470,6 +470,12 @@ class Session:
         assert delta["puts"] == len(keys)
         assert delta["stored"] == want.count(PutStatus.STORED)
         assert delta["present"] == want.count(PutStatus.PRESENT)
+
+    def _torn(self, key: str, raw: Raw, nbytes: int) -> bool:
+        """Whether the file backend writes a put of `nbytes` over `raw` (our object of
+        `key` cut short, or shorter than any header: a writer died without fsync)."""
+        return (self.l3.kind.startswith("file") and isinstance(raw, bytes) and len(raw) < nbytes
+                and ours_and_broken(key, raw, nbytes))
 
     def get(self, entries: list[tuple[int, int | None]], seed: int) -> None:
         rng = random.Random(seed)
