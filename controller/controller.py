@@ -81,6 +81,14 @@ class _InsertPlan(NamedTuple):
     session: str | None
 
 
+# What `HybridCacheController.counters` counts (the prefetcher counts into it too).
+COUNTED = ("engine_restarts", "hit_tokens_device", "hit_tokens_host", "hit_tokens_storage",
+           "lease_released_allocations", "lease_released_locks", "leases_expired", "lookups",
+           "prefetch_deferred_room", "prefetch_pages_to_l1", "prefetch_refused_budget",
+           "prefetch_refused_room", "prefetch_to_l1_failed", "prefetch_to_l1_no_room",
+           "prefetches_started", "restart_released_allocations", "restart_released_locks")
+
+
 class HybridCacheController(CacheService):
     def __init__(self, cfg: HicacheConfig, tree: HiRadixTree, device: DevicePools,
                  host: HostPools, copier: CopyEngine, l3: L3Store | None) -> None:
@@ -92,7 +100,8 @@ class HybridCacheController(CacheService):
         # Why the configured (not required) L3 backend is not connected, while it is not:
         # reported unhealthy by `health` and retried in the background.
         self.l3_down: str | None = None
-        self.counters: Counter[str] = Counter()
+        # Exported from the start (at 0): an alert on one reads 0, not "no data".
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTED, 0))
         self._mu = threading.RLock()
         self._ps = cfg.model.page_size
         self._pb = self._ps * 4

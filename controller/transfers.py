@@ -109,13 +109,20 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+# What `Transfers.stats` counts (evictions, per tier and kind, come as they happen).
+COUNTED = ("allocation_waits", "backups_dropped", "backups_l2", "backups_l2_failed",
+           "backups_l2_skipped", "backups_l3", "backups_l3_failed", "backups_l3_present",
+           "l2_flushes", "l2_landings_refused", "loaded_pages")
+
+
 class Transfers:
     def __init__(self, ctl: HybridCacheController, copier: CopyEngine) -> None:
         self.ctl = ctl
         self.tree = ctl.tree
         self.copier = copier
         self.cfg = ctl.cfg
-        self.stats: Counter[str] = Counter()
+        # Exported from the start (at 0), so that alerts on them read 0, not "no data".
+        self.stats: Counter[str] = Counter(dict.fromkeys(COUNTED, 0))
         # L3 writes retry over ~6 s: long enough for a restarted store to come back
         # (Mooncake remounts its segment about a second after its master restarts).
         self.backup_worker = Worker("backup", capacity=4096, retries=5, backoff_s=0.2)

@@ -2,7 +2,7 @@
 
 The inverse of the daemon's interceptor: the code names come from each error class's
 `grpc_code_name`, so both directions read the same table. DEADLINE_EXCEEDED is `Unavailable`; codes with
-no typed error (UNIMPLEMENTED, ...) become a plain `HicacheError` naming the code.
+no typed error (UNKNOWN, ABORTED, ...) become a plain `HicacheError` naming the code.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ for _cls in (
     errors.Unauthenticated,
     errors.PermissionDenied,
     errors.Unavailable,
+    errors.Unimplemented,
     errors.ObjectCorrupt,
 ):
     _BY_CODE[_cls.grpc_code_name] = _cls

@@ -72,6 +72,13 @@ class BackendTimedOut(BackendUnavailable):
         self.pending = list(pending)
 
 
+class Unimplemented(HicacheError):
+    """The endpoint does not serve that method (e.g. a probe listener, which serves only
+    the standard health check)."""
+
+    grpc_code_name = "UNIMPLEMENTED"
+
+
 class DeadlineExceeded(HicacheError):
     """Too little of the caller's deadline was left to deliver the reply: what the call
     made for the caller (locks, allocations) was released instead."""

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.client import Client
-from hicache.errors import HicacheError, Unauthenticated, Unavailable
+from hicache.errors import HicacheError, Unauthenticated, Unavailable, Unimplemented
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
 PROBE_TIMEOUT_S = 5.0
@@ -46,6 +46,12 @@ def health_report(target: str, deep: bool, token: str | None = None,
             report["note"] = (f"backends not reported: {e}; their report needs a valid "
                               f"--token-file (the status above needs none)")
             return report, EXIT_OK if serving else EXIT_UNHEALTHY
+        except Unimplemented:
+            # A probe listener (`server.probe_listen`) serves only the standard check,
+            # which then stands for the daemon, as for a kubelet probe.
+            report["note"] = ("backends not reported: this endpoint serves only the standard "
+                              "health check (a probe listener); the status above is the daemon's")
+            return report, EXIT_OK if serving else EXIT_UNHEALTHY
         except Unavailable as e:  # it answered the check just now: a backend hangs
             report["error"] = f"the daemon answered, its backend report did not: {e}"
             return report, EXIT_UNHEALTHY
@@ -70,7 +76,16 @@ def stats_report(target: str, token: str | None = None,
                  ca: bytes | None = None) -> tuple[dict[str, Any], int]:
     try:
         with _client(target, token, ca) as client:
-            snap = client.stats()
+            try:
+                snap = client.stats()
+            except Unavailable as e:
+                # A daemon that is stopping refuses Stats but still answers the standard
+                # check: it is reachable (exit 1, as `health` says), not gone.
+                try:
+                    client.serving()
+                except HicacheError:
+                    raise e from None
+                return {"target": target, "reachable": True, "error": str(e)}, EXIT_UNHEALTHY
     except Unavailable as e:
         return {"target": target, "reachable": False, "error": str(e)}, EXIT_UNREACHABLE
     except Unauthenticated as e:

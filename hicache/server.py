@@ -195,9 +195,7 @@ class Daemon:
     def stop(self) -> None:
         """Stop accepting, finish in-flight calls, flush, close the core."""
         self._stop.set()
-        self.health.enter_graceful_shutdown()
-        if self.probe_server is not None:
-            self.probe_server.stop(STOP_GRACE_S)
+        self.health.enter_graceful_shutdown()  # (the probe listener answers NOT_SERVING)
         # Calls that come from now on are refused UNAVAILABLE (the contract: gRPC's stop
         # would cancel them), those under way finish within the grace period; then gRPC
         # stops. Bounded: a call gRPC never finished (it happened: see the interceptor's
@@ -213,11 +211,17 @@ class Daemon:
             thread.join(timeout=5)
         self.metrics.close()
         try:
-            written = self.core.flush(self.cfg.server.shutdown_flush_s)
-            log.info("flushed %d pages to L3", written)
-        except Exception:
-            log.exception("shutdown flush failed; closing anyway")
-        self.core.close()
+            try:
+                written = self.core.flush(self.cfg.server.shutdown_flush_s)
+                log.info("flushed %d pages to L3", written)
+            except Exception:
+                log.exception("shutdown flush failed; closing anyway")
+            self.core.close()
+        finally:
+            if self.probe_server is not None:
+                # Last: kubelet probes see NOT_SERVING, not a refused connection, until
+                # the flush is done (a refused liveness probe counts toward a restart).
+                self.probe_server.stop(0)
 
 
 def longest_stop_s(cfg: HicacheConfig) -> float:

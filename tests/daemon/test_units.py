@@ -213,6 +213,7 @@ def test_stats_map_core_counter_aliases_to_the_wire_and_keep_extras_for_metrics(
         (errors.PermissionDenied("no"), grpc.StatusCode.PERMISSION_DENIED),
         (errors.BackendUnavailable("down"), grpc.StatusCode.UNAVAILABLE),
         (errors.ObjectCorrupt("bits"), grpc.StatusCode.DATA_LOSS),
+        (errors.Unimplemented("probe listener"), grpc.StatusCode.UNIMPLEMENTED),
     ],
 )
 def test_typed_errors_map_to_codes_and_back(error: errors.HicacheError, code: grpc.StatusCode) -> None:
@@ -226,7 +227,8 @@ def test_typed_errors_map_to_codes_and_back(error: errors.HicacheError, code: gr
 def test_unexpected_exceptions_are_internal_and_unknown_codes_stay_generic() -> None:
     code, message = status_of(KeyError("x"))
     assert code is grpc.StatusCode.INTERNAL and "KeyError" in message
-    assert type(error_for(grpc.StatusCode.UNIMPLEMENTED, "m")) is errors.HicacheError
+    assert type(error_for(grpc.StatusCode.UNKNOWN, "m")) is errors.HicacheError
+    assert type(error_for(grpc.StatusCode.ABORTED, "m")) is errors.HicacheError
     assert isinstance(error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "m"), errors.Unavailable)
     # A daemon ending the call as it stops is away too (the client tells its own close apart).
     cancelled = error_for(grpc.StatusCode.CANCELLED, "")
