@@ -221,8 +221,9 @@ class HybridCacheController(CacheService):
 
     def heartbeat(self, engine_id: str, tp_rank: int = 0, instance_id: str = "") -> HeartbeatInfo:
         with self._mu:
-            engine = self._engines.renew(engine_id)
-            self._engines.heard_from(engine, tp_rank, instance_id)
+            engine = self._engines.engine(engine_id)
+            self._engines.heard_from(engine, tp_rank, instance_id)  # (a replaced process: no renewal)
+            self._engines.renew(engine_id)
             return HeartbeatInfo(self.cfg.server.lease_ms, len(engine.locks), len(engine.allocations))
 
     def expire_leases(self) -> int:

@@ -125,10 +125,20 @@ class EngineRegistry:
 
     def heard_from(self, engine: Engine, tp_rank: int, instance_id: str) -> None:
         """A heartbeat of `tp_rank`'s process `instance_id`: a process the record inherited
-        lives on, and its restart later counts as one."""
-        if instance_id and engine.inherited.get(tp_rank) == instance_id:
+        lives on, and its restart later counts as one. Raises NotFound for a process that
+        another one replaced (it attached this rank since, e.g. a forked child): its
+        handles were released then, and it must learn so rather than renew another's."""
+        if not instance_id:
+            return
+        if engine.inherited.get(tp_rank) == instance_id:
             del engine.inherited[tp_rank]
             engine.instances[tp_rank] = instance_id
+            return
+        current = engine.instances.get(tp_rank)
+        if current is not None and current != instance_id and tp_rank not in engine.inherited:
+            raise NotFound(f"engine {engine.engine_id!r} rank {tp_rank}: another process attached "
+                           "it since; this one's locks and allocations were released: call "
+                           "Attach again (or use an engine id of its own)")
 
     def new_id(self) -> int:
         while True:

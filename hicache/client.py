@@ -317,9 +317,12 @@ class Client:
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects; `Unavailable` when it does not in time."""
+        self._check_open()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            if self._closed:  # (closed while waiting)
+                raise self._closed_error() from None
             raise Unavailable(f"daemon not reachable within {timeout_s} s") from None
 
     # ------------------------------------------------------------------ engine lifecycle

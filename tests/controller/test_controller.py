@@ -627,7 +627,10 @@ def test_tensor_parallel_ranks_each_keep_their_own_instance() -> None:
     assert gone is not None
     engine = reg.renew("e")
     reg.heard_from(engine, 0, "rank0-pid3")
-    reg.heard_from(engine, 1, "rank1-pid2")  # (a dead process's id is not taken back)
+    # A process another one replaced (here dead; a forked parent lives on) is told so,
+    # and does not take its rank back.
+    with pytest.raises(NotFound, match="another process attached it since"):
+        reg.heard_from(engine, 1, "rank1-pid2")
     assert engine.instances == {0: "rank0-pid3", 1: "rank1-pid5"} and not engine.inherited
     # ... so its own restart later is seen too (what it held since would leak otherwise).
     gone = reg.attach("e", 0, 2, "rank0-pid6")[1]
