@@ -589,11 +589,14 @@ class HybridCacheController(CacheService):
             raise InvalidArgument("keep_lock needs the lock_id of the match the request extends")
         with self._mu:
             plan = self._insert_plan(engine_id, req)
-            # A continuing request gets a private copy of the checkpoint it hands over
-            # (copy-on-write), taken before anything is committed: no room fails the call
-            # with nothing changed. Taking it may wait for queued copies with the mutex
-            # released, so the request is checked before (every error of its own first)
-            # and planned again after (its handles must still be there).
+            # A continuing request hands the tree a copy of its state (copy-on-write) and
+            # goes on writing its own slot: the engine keeps the slot it was given (a
+            # reply that handed it another would need a field the API does not have, and
+            # an engine writing on in a slot the tree took would change the checkpoint).
+            # The copy's slot is taken before anything is committed: no room fails the
+            # call with nothing changed. Taking it may wait for queued copies with the
+            # mutex released, so the request is checked before (every error of its own
+            # first) and planned again after (its handles must still be there).
             fresh = None
             if req.keep_lock and plan.slot is not None:
                 fresh = int(self.transfers.allocate_l1(MAMBA, 1)[0])
@@ -607,11 +610,17 @@ class HybridCacheController(CacheService):
                     fresh = None
             lock_rec, alloc, slot, begin, need = plan.lock, plan.alloc, plan.slot, plan.begin, plan.need
             try:
+                if fresh is not None:
+                    assert slot is not None
+                    # Complete on return (on CUDA too): the engine writes on in `slot`
+                    # as soon as the reply reaches it.
+                    self.transfers.copy_l1_slot(MAMBA, slot, fresh)
                 result = self.tree.insert(
                     req.namespace, req.tokens, plan.pages, lock=lock_rec.tree_lock if lock_rec else None,
-                    keep_lock=req.keep_lock, mamba_slot=slot, session_id=plan.session,
+                    keep_lock=req.keep_lock, mamba_slot=slot if fresh is None else fresh,
+                    session_id=plan.session,
                 )
-            except BaseException:
+            except BaseException:  # (the copy engine's error too): nothing committed
                 if fresh is not None:
                     self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
                 raise
@@ -631,15 +640,16 @@ class HybridCacheController(CacheService):
                 self._engines.pop_lock(engine_id, req.lock_id or 0)
                 self._request_moves_on(req.lock_id)
             if alloc is not None:
-                self._consume_allocation(engine_id, req, alloc, begin, need, slot, fresh)
+                self._consume_allocation(engine_id, req, alloc, begin, need, slot if fresh is None else None)
             if result.end is not None:
                 self.transfers.after_insert(result.end)
             return InsertOutcome(result.inserted_tokens, result.reused_tokens)
 
     def _consume_allocation(self, engine_id: str, req: InsertRequest, alloc: AllocationRecord,
-                            begin: int, used: int, slot: int | None, fresh: int | None) -> None:
-        """Pages the tree now owns (or handed back) leave the allocation; the rest stays
-        for decode growth, or is freed by the final insert."""
+                            begin: int, used: int, handed: int | None) -> None:
+        """Pages the tree now owns (or handed back) leave the allocation, and so does the
+        MAMBA slot it took (`handed`); the rest stays for decode growth, or is freed by
+        the final insert."""
         lo = max(0, begin - alloc.start_page)
         skipped = {kind: alloc.pages[kind][:lo] for kind in self._paged}  # loaded instead
         for kind, ids in skipped.items():
@@ -647,17 +657,8 @@ class HybridCacheController(CacheService):
         for kind in self._paged:
             alloc.pages[kind] = alloc.pages[kind][lo + max(0, used) :]
         alloc.start_page = begin + max(0, used)
-        if slot is not None:
-            # The tree owns (or freed) the checkpoint now; a continuing request gets a
-            # private copy to go on writing (copy-on-write).
+        if handed is not None:  # the tree owns (or freed) it now
             alloc.mamba_slot = None
-            if fresh is not None:
-                try:
-                    self.transfers.copy_l1_slot(MAMBA, slot, fresh)
-                except BaseException:  # (the copy engine's error): the commit stands
-                    self.transfers.free_l1(MAMBA, np.array([fresh], dtype=np.int64))
-                    raise
-                alloc.mamba_slot = fresh
         if not req.keep_lock:
             self._engines.pop_allocation(engine_id, req.allocation_id or 0)
             self._free_allocation(alloc)

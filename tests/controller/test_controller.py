@@ -798,8 +798,8 @@ def test_async_write_through_lands_on_a_node_split_meanwhile(make) -> None:
 
 
 def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_session(make) -> None:
-    """Prefill, insert with keep_lock (the MAMBA checkpoint is copied for the request to go
-    on writing), decode growth of the same allocation, final insert, close the session:
+    """Prefill, insert with keep_lock (the tree takes a copy of the MAMBA state; the request
+    goes on writing its own slot), decode growth of the same allocation, final insert, close the session:
     every page of both boundaries comes back byte for byte, nothing is left held."""
     ctl = make(hybrid=True, storage__backend="none")
     eng = Engine(ctl)
@@ -813,7 +813,7 @@ def test_a_decoding_request_inserts_mid_way_grows_its_allocation_and_closes_its_
     # Decode growth: two more pages on the same allocation (two were left after the insert).
     grown = ctl.allocate("e1", AllocateRequest("", 8, allocation_id=m.allocation_id))
     assert {len(ids) for name, ids in grown.pages.items() if name not in ("mamba", "conv")} == {4}
-    assert grown.pages["mamba"][0] != m.pages["mamba"][0]  # a private copy of the checkpoint
+    assert grown.pages["mamba"][0] == m.pages["mamba"][0]  # its own slot (the tree has a copy)
     eng.write(grown.pages, full, 4)  # the two decoded pages and the state after them
     out = ctl.insert("e1", InsertRequest("", full, lock_id=m.lock_id, allocation_id=m.allocation_id,
                                          mamba_checkpoint=True))

@@ -164,7 +164,8 @@ def test_a_failed_write_back_copy_still_evicts_and_leaks_no_l2_page(make, monkey
 def test_a_failed_checkpoint_copy_leaves_no_page_of_the_allocation(make, monkeypatch) -> None:
     """A hybrid match continuing a checkpoint copies it into the new allocation's slot
     (copy-on-write); that copy failing used to leave the allocation's pages and slot
-    owned by nobody. The keep_lock Insert's copy of the checkpoint likewise."""
+    owned by nobody. The keep_lock Insert's copy of the checkpoint (the tree's) likewise:
+    taken before the commit, its failure commits nothing and the copy's slot is freed."""
     ctl = make(hybrid=True, storage__backend="none")
     ctl.attach("e1", 0, 1)
     prompt = seq(4)
@@ -185,8 +186,8 @@ def test_a_failed_checkpoint_copy_leaves_no_page_of_the_allocation(make, monkeyp
         ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id,
                                        mamba_checkpoint=True, keep_lock=True))
     monkeypatch.undo()
-    ctl.check_integrity()  # the fresh slot was freed; the commit stands
-    assert ctl.match("e1", MatchRequest("", longer)).device_tokens == 24
+    ctl.check_integrity()  # the copy's slot was freed
+    assert ctl.match("e1", MatchRequest("", longer)).device_tokens == 16  # nothing committed
     ctl.release("e1", m.lock_id, None)
     ctl.release("e1", None, m.allocation_id)
     ctl.check_integrity()

@@ -473,7 +473,7 @@ class ControllerFuzz(RuleBasedStateMachine):
             if r.pages is not None:
                 r.pages = {name: ids if name in self.mamba else ids[lo + used:] for name, ids in r.pages.items()}
             if checkpoint and self.hybrid:
-                r.pages = None  # the checkpoint went to the tree; a private copy replaced it
+                r.pages = None  # (re-read from the next Allocate: the tree took a copy of the slot)
             r.alloc_start = r.total
         r.dev = r.prefix = r.total
         r.tokens = r.tokens[: r.total * PB]
