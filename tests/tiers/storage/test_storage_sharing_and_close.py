@@ -146,55 +146,60 @@ def _mooncake(master: MooncakeMaster) -> StorageBackend:
     ))
 
 
-def test_mooncake_close_waits_for_a_timed_out_get_before_the_memory_goes(
+def _stuck_call(backend: StorageBackend, then: Callable[[], None] = lambda: None) -> threading.Event:
+    """A client call that does not answer in time (what a stopped master or a hung
+    transfer gives, without depending on when the client library notices): it runs on in
+    the backend's worker until the returned event is set, then does `then` (a late
+    transfer landing). Returns once the backend counts it stuck."""
+    gate = threading.Event()
+
+    def call() -> None:
+        gate.wait(UNSTUCK_S)
+        then()
+
+    with pytest.raises(BackendUnavailable):
+        backend._caller.call(call)  # type: ignore[attr-defined]
+    assert backend.stats().stuck_calls == 1
+    return gate
+
+
+def test_mooncake_close_waits_for_a_call_given_up_on_before_the_memory_goes(
     mooncake_factory: Callable[[], MooncakeMaster],
 ) -> None:
-    """A get given up on runs on in the client and may still move data into the buffers:
+    """A call given up on runs on in the client and may still move data into the buffers:
     close() says so (False) while it runs, and, given time, waits for it and closes the
     client after it, so that nothing writes into the memory once it returned True (the
-    controller frees L2 only then). It used to close at once and the late transfer wrote
+    controller frees L2 only then). It used to close at once, and a late transfer wrote
     into the memory afterwards."""
     master = mooncake_factory()
     backend = _mooncake(master)
-    src, dst = Pool(1, seed=24).register(backend), Pool(1, seed=None).register(backend)
-    ks = keys(1)
-    assert backend.put_from(ks, src.slots()) == [PutStatus.STORED]
-    assert master.pid is not None
-    os.kill(master.pid, signal.SIGSTOP)  # alive, not answering: the get hangs
-    resumed = threading.Timer(1.0, os.kill, (master.pid, signal.SIGCONT))
-    try:
-        with pytest.raises(BackendUnavailable):
-            backend.get_into(ks, dst.slots())
-        assert backend.stats().stuck_calls == 1
-        resumed.start()
-        backend.unregister_host_buffer(dst.memory.ctypes.data)  # (fails fast: stays registered)
-        assert backend.close(wait_s=UNSTUCK_S) is True
-    finally:
-        resumed.cancel()
-        os.kill(master.pid, signal.SIGCONT)
-    assert backend.stats().stuck_calls == 0
+    dst = Pool(1, seed=None).register(backend)
+    gate = _stuck_call(backend, then=lambda: dst.memory.fill(7))  # (the late transfer)
+    backend.unregister_host_buffer(dst.memory.ctypes.data)  # (fails fast: stays registered)
+    assert backend.close() is False  # it still runs: the memory is not the caller's yet
+    threading.Timer(0.3, gate.set).start()
+    assert backend.close(wait_s=UNSTUCK_S) is True
+    assert backend.stats().stuck_calls == 0 and dst.memory.all()  # it landed before
     dst.memory[:] = 0  # the caller reuses (here: clears) the memory it got back
     time.sleep(0.2)
     assert not dst.memory.any(), "something wrote into the buffer after close() returned True"
 
 
-def test_mooncake_unregister_while_stuck_keeps_the_region_consistent(
+def test_mooncake_unregister_while_a_call_is_stuck_keeps_the_region_consistent(
     mooncake_factory: Callable[[], MooncakeMaster],
 ) -> None:
+    """An unregistration that cannot run (a call is stuck: calls fail fast) leaves the
+    region registered, and known as such: it used to be forgotten here while the client
+    kept it, and registering it again failed (-600)."""
     master = mooncake_factory()
     backend = _mooncake(master)
     try:
         src, dst = Pool(1, seed=25).register(backend), Pool(1, seed=None).register(backend)
         ks = keys(1)
         assert backend.put_from(ks, src.slots()) == [PutStatus.STORED]
-        assert master.pid is not None
-        os.kill(master.pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(BackendUnavailable):
-                backend.get_into(ks, dst.slots())
-            backend.unregister_host_buffer(dst.memory.ctypes.data)  # fails fast, logs
-        finally:
-            os.kill(master.pid, signal.SIGCONT)
+        gate = _stuck_call(backend)
+        backend.unregister_host_buffer(dst.memory.ctypes.data)  # fails fast, logs
+        gate.set()
         _wait_unstuck(backend)
         dst.register(backend)  # the same region again: known to both sides, or to neither
         assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT]
