@@ -80,6 +80,26 @@ def prefetch_back(ctl, tokens: bytes, state: PrefetchState = PrefetchState.DONE,
     return m
 
 
+def hold_nth_read(ctl, monkeypatch, n: int):  # type: ignore[no-untyped-def]
+    """Make the `n`-th L3 read of `ctl` wait for the returned `gate` (at most 5 s);
+    `reached` is set when it starts waiting. Returns (gate, reached)."""
+    import threading
+
+    gate, reached = threading.Event(), threading.Event()
+    real = ctl.l3.backend._read_into
+    calls = [0]
+
+    def read(keys, buffers):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == n:
+            reached.set()
+            gate.wait(5)
+        return real(keys, buffers)
+
+    monkeypatch.setattr(ctl.l3.backend, "_read_into", read)
+    return gate, reached
+
+
 def wait_prefetch(ctl, prefetch_id: int, timeout_s: float = 10.0):
     """Poll the prefetch until it leaves RUNNING (at most `timeout_s`); its final state."""
     deadline = time.monotonic() + timeout_s

@@ -4,11 +4,10 @@ lies only in L3: what the match reports, what the prefetch brings, what it repor
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-from engine_sim import Engine, evict_all, flushed, seq, wait_prefetch
+from engine_sim import Engine, evict_all, flushed, hold_nth_read, seq, wait_prefetch
 
 import hicache.controller.prefetch as pf
 from hicache.controller.base import MatchRequest, PrefetchState
@@ -88,18 +87,7 @@ def test_a_stopped_hybrid_prefetch_reports_only_what_is_reusable(
     tokens = seq(8)
     eng.request_then_only_in_l3(tokens)
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)
-    gate, second = threading.Event(), threading.Event()
-    real = ctl.l3.backend._read_into
-    calls = [0]
-
-    def read(keys, buffers):  # the second batch's read waits for the cancel
-        calls[0] += 1
-        if calls[0] == 2:
-            second.set()
-            gate.wait(5)
-        return real(keys, buffers)
-
-    monkeypatch.setattr(ctl.l3.backend, "_read_into", read)
+    gate, second = hold_nth_read(ctl, monkeypatch, 2)  # the second batch's read waits for the cancel
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
     assert m.prefetch_id and second.wait(5)
     ready = ctl.cancel_prefetch(m.prefetch_id)

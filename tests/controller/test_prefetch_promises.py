@@ -5,11 +5,19 @@ match and Load deliver, byte for byte (engine_sim). Confirmed bugs are strict xf
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
-from engine_sim import Engine, evict_all, flushed, prefetch_back, seq, toks, wait_prefetch
+from engine_sim import (
+    Engine,
+    evict_all,
+    flushed,
+    hold_nth_read,
+    prefetch_back,
+    seq,
+    toks,
+    wait_prefetch,
+)
 
 import hicache.controller.prefetch as pf
 from hicache.controller.base import MatchRequest, PrefetchState
@@ -36,6 +44,18 @@ def _evict_alone(ctl, tier: Tier, kind: ComponentKind) -> int:
         for k, ids in r.freed.items():
             free(k, ids)
     return r.evicted_pages
+
+
+def _only_in_l2(ctl, eng: Engine, tokens: bytes) -> None:
+    """A request for `tokens`, flushed to L3, then out of L1: its pages are in L2 and L3."""
+    eng.request(tokens)
+    flushed(ctl, tokens)
+    evict_all(ctl, Tier.DEVICE)
+
+
+def _drop_checkpoint_from_l2(ctl) -> None:
+    with ctl._mu:
+        ctl.transfers._evict(Tier.HOST, MAMBA, 1)
 
 
 # ---------------------------------------------------------------- suspicion 1
@@ -83,11 +103,8 @@ def test_a_fallback_prefetch_never_reports_more_than_a_match_then_loads(make) ->
     eng.request(seq(12))
     flushed(ctl, seq(12))
     evict_all(ctl, Tier.DEVICE, Tier.HOST)
-    eng.request(seq(8))
-    flushed(ctl, seq(8))
-    evict_all(ctl, Tier.DEVICE)
-    with ctl._mu:
-        ctl.transfers._evict(Tier.HOST, MAMBA, 1)  # tree: 0-7 in L2, checkpoint at 8 in L3
+    _only_in_l2(ctl, eng, seq(8))
+    _drop_checkpoint_from_l2(ctl)  # tree: 0-7 in L2, checkpoint at 8 in L3
     _lose_full_page_0(ctl, eng, seq(12))
     m = ctl.match("e1", MatchRequest("", seq(12), lock=True, prefetch=True))
     assert m.prefetch_id and m.storage_tokens == 48
@@ -108,11 +125,8 @@ def test_a_fallback_prefetch_never_reports_more_than_a_match_then_loads(make) ->
 def test_storage_tokens_the_controller_reports_are_prefetched_or_not_reported(make) -> None:
     ctl = make(hybrid=True, **THROUGH)
     eng = Engine(ctl)
-    eng.request(seq(8))
-    flushed(ctl, seq(8))
-    evict_all(ctl, Tier.DEVICE)
-    with ctl._mu:
-        ctl.transfers._evict(Tier.HOST, MAMBA, 1)
+    _only_in_l2(ctl, eng, seq(8))
+    _drop_checkpoint_from_l2(ctl)
     assert ctl.l3.has("", eng.hashes(seq(8))[-1], ctl.cfg.model.family(MAMBA))
     _lose_full_page_0(ctl, eng, seq(8))
     refused = ctl.counters["prefetch_refused_room"] + ctl.counters["prefetch_refused_budget"]
@@ -160,13 +174,12 @@ def test_only_a_path_reusable_from_l1_and_l2_counts_as_ready(make) -> None:
     checkpoint back it is; a path with a FULL page only in L3 is neither."""
     ctl = make(hybrid=True, **THROUGH)
     eng = Engine(ctl)
-    eng.request(seq(8))
-    flushed(ctl, seq(8))
-    evict_all(ctl, Tier.DEVICE)
+    _only_in_l2(ctl, eng, seq(8))
     with ctl._mu:
         end = ctl.tree.match("", seq(8), lock=False).path[-1]
         assert ctl.tree.full_in_host(end) and ctl.tree.reusable_from_host(end)
-        ctl.transfers._evict(Tier.HOST, MAMBA, 1)
+    _drop_checkpoint_from_l2(ctl)
+    with ctl._mu:
         assert ctl.tree.full_in_host(end) and not ctl.tree.reusable_from_host(end)
     evict_all(ctl, Tier.HOST)
     with ctl._mu:
@@ -226,18 +239,7 @@ def test_tokens_ready_never_decreases_and_a_cancel_leaks_no_page(
     tokens = seq(12)
     eng.request_then_only_in_l3(tokens)
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)
-    gate, third = threading.Event(), threading.Event()
-    real = ctl.l3.backend._read_into
-    calls = [0]
-
-    def read(keys, buffers):  # the third batch's read waits for the cancel
-        calls[0] += 1
-        if calls[0] == 3:
-            third.set()
-            gate.wait(5)
-        return real(keys, buffers)
-
-    monkeypatch.setattr(ctl.l3.backend, "_read_into", read)
+    gate, third = hold_nth_read(ctl, monkeypatch, 3)  # the third batch's read waits for the cancel
     m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
     assert m.prefetch_id
     seen = [ctl.prefetch_status(m.prefetch_id).tokens_ready]

@@ -235,20 +235,26 @@ def _fill(eng: Engine, start: int, n: int = 3, pages: int = 6) -> None:
         eng.request(toks(pages * PS, start=start + 1_000 * k))
 
 
+def _load_back_from_l2(c: Client, eng: Engine, tokens: bytes, pages: int) -> None:
+    """`tokens` (`pages` pages) are in L2 alone: a locked match, a Load, every page
+    byte-exact."""
+    m = c.match(tokens, lock=True)
+    try:
+        assert (m.device_tokens, m.host_tokens) == (0, pages * PS), m
+        loaded, got = eng.load(m)
+        assert loaded == pages * PS
+        eng.verify(got, tokens, pages)
+    finally:
+        c.release(lock_id=m.lock_id)
+
+
 def test_pages_evicted_to_l2_load_back_byte_exact(shared: Daemon) -> None:
     a = toks(6 * PS, start=20_000)
     with shared.client(engine_id="l2-load") as c:
         eng = Engine(c)
         eng.request(a)
         _fill(eng, 21_000)
-        m = c.match(a, lock=True)
-        try:
-            assert (m.device_tokens, m.host_tokens) == (0, 6 * PS), m
-            tokens, pages = eng.load(m)
-            assert tokens == 6 * PS
-            eng.verify(pages, a, 6)
-        finally:
-            c.release(lock_id=m.lock_id)
+        _load_back_from_l2(c, eng, a, 6)
         # Loaded pages stay in L1: a new match needs no load, and a request extending the
         # prefix writes only its own pages.
         b = a + toks(2 * PS, start=29_000)
@@ -267,14 +273,7 @@ def test_a_checkpoint_evicted_alone_loads_back_with_its_prefix_in_l1(make_daemon
         eng.request(a)
         for k in range(9):  # one-page requests: 9 checkpoints for 8 slots, 15 FULL pages
             eng.request(toks(PS, start=31_000 + 100 * k))
-        m = c.match(a, lock=True)
-        try:
-            assert (m.device_tokens, m.host_tokens) == (0, 6 * PS), m
-            tokens, pages = eng.load(m)
-            assert tokens == 6 * PS
-            eng.verify(pages, a, 6)
-        finally:
-            c.release(lock_id=m.lock_id)
+        _load_back_from_l2(c, eng, a, 6)
         assert eng.checked["mamba"] and eng.checked["conv"]
 
 
