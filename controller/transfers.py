@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -238,7 +238,9 @@ class Transfers:
             )
         deadline = time.monotonic() + wait_s
         while True:
-            if alloc.free_count < n:
+            # Evicting only when it can make room: a request that cannot fit (the rest is
+            # locked, pinned or held by allocations) must not empty the pool trying.
+            if alloc.free_count < n <= self._reachable(tier, kind):
                 self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
             if alloc.free_count >= n:
                 return alloc.allocate(n)
@@ -253,6 +255,17 @@ class Transfers:
             self.stats["allocation_waits"] += 1
             self._schedule_l2_flush(urgent=True)  # a held flush must not be waited for
             self.landed.wait(min(left, 0.05))
+
+    def _reachable(self, tier: Tier, kind: ComponentKind) -> int:
+        """Caller holds the mutex. At most how many pages of the pool could be free after
+        evicting everything evictable: the free ones, the tree's unlocked ones (a page
+        pinned by a queued copy counts as locked until it lands) and, in L2, the parked
+        ones (freed while a write in flight still reads them)."""
+        alloc = self._allocators[tier][kind]
+        n = alloc.free_count + self.tree.resident_pages(tier, kind) - self.tree.locked_pages(tier, kind)
+        if tier is Tier.HOST:
+            n += len(self._parked_l2.get(kind, ()))
+        return n
 
     def free_l1(self, kind: ComponentKind, ids: np.ndarray) -> None:
         if len(ids):
@@ -837,37 +850,30 @@ class Transfers:
     def plan_load(self, lock: TreeLock) -> LoadOp:
         """Reserve L1 pages for every slot of the lock's path that only L2 holds."""
         wanted = self._wanted_in_l1(self.tree.lock_path(lock))
-        moves: list[L1Move] = []
+        # One allocation per component for the whole load: a load that cannot fit fails
+        # before evicting anything (node by node, each part fitted and evicted first).
+        got: dict[ComponentKind, np.ndarray] = {}
         try:
-            for node, kind, host_ids in wanted:
-                moves.append((node, kind, host_ids, self.allocate_l1(kind, len(host_ids))))
+            for kind, n in _pages_needed(wanted).items():
+                got[kind] = self.allocate_l1(kind, n)
         except ResourceExhausted:
-            for _, kind, _, dev in moves:
+            for kind, dev in got.items():
                 self.free_l1(kind, dev)
             raise
         layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
-        return LoadOp(moves, layers)
+        return LoadOp(_moves_into(wanted, got), layers)
 
     def plan_to_free_l1(self, nodes: list[object]) -> list[L1Move] | None:
         """Caller holds the mutex. Like `plan_load` for `nodes` (root first), but only
         from free L1 pages, never evicting: None when they do not all fit."""
         wanted = self._wanted_in_l1(nodes)
-        need: dict[ComponentKind, int] = {}
-        for _, kind, host_ids in wanted:
-            need[kind] = need.get(kind, 0) + len(host_ids)
+        need = _pages_needed(wanted)
         allocators = self._allocators[Tier.DEVICE]
         if any(allocators[kind].free_count < n for kind, n in need.items()):
             return None
-        got = {kind: allocators[kind].allocate(n) for kind, n in need.items()}
-        used = dict.fromkeys(got, 0)
-        moves: list[L1Move] = []
-        for node, kind, host_ids in wanted:
-            lo = used[kind]
-            used[kind] = lo + len(host_ids)
-            moves.append((node, kind, host_ids, got[kind][lo : used[kind]]))
-        return moves
+        return _moves_into(wanted, {kind: allocators[kind].allocate(n) for kind, n in need.items()})
 
-    def _wanted_in_l1(self, nodes: tuple[object, ...] | list[object]) -> list[tuple[object, ComponentKind, np.ndarray]]:
+    def _wanted_in_l1(self, nodes: tuple[object, ...] | list[object]) -> _Wanted:
         """(node, kind, L2 pages) of each slot that must move up so that the boundary at
         the end of `nodes` is valid in L1, by component (FULL first)."""
         comps = {c.kind: c for c in self.tree.components}
@@ -1048,3 +1054,25 @@ class Transfers:
                 assert len(ids) == used, (
                     f"{tier.name} {kind.value}: {used} pages allocated, {len(ids)} owned (leak)"
                 )
+
+
+_Wanted = list[tuple[object, ComponentKind, np.ndarray]]  # (node, kind, its L2 pages)
+
+
+def _pages_needed(wanted: _Wanted) -> dict[ComponentKind, int]:
+    need: dict[ComponentKind, int] = {}
+    for _, kind, host_ids in wanted:
+        need[kind] = need.get(kind, 0) + len(host_ids)
+    return need
+
+
+def _moves_into(wanted: _Wanted, got: Mapping[ComponentKind, np.ndarray]) -> list[L1Move]:
+    """The L1 pages `got` per component (as many as `_pages_needed`), handed out to the
+    slots of `wanted` in order."""
+    used = dict.fromkeys(got, 0)
+    moves: list[L1Move] = []
+    for node, kind, host_ids in wanted:
+        lo = used[kind]
+        used[kind] = lo + len(host_ids)
+        moves.append((node, kind, host_ids, got[kind][lo : used[kind]]))
+    return moves

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import math
+import mmap
 import os
 import re
 import reprlib
@@ -520,6 +521,13 @@ class HicacheConfig:
                     f"{by} gives {l2} {what} per {kind.value} pool, not more than L1's {l1}: "
                     "L2 must hold L1 and more"
                 )
+        if ComponentKind.MAMBA in self.model.component_kinds and self.tiers.l1.mamba_slots < 2:
+            # A request continuing a checkpoint in L1 copies it into a slot of its own
+            # while its match keeps the checkpoint locked: one slot would fail them all.
+            raise ConfigError(
+                f"tiers.l1.mamba_slots: {self.tiers.l1.mamba_slots} with a mamba component; "
+                "at least 2 (a request copies the checkpoint it continues into its own slot)"
+            )
         for name, pages in (("tiers.l1 (tokens or size_gb)", self.l1_pages),
                             ("tiers.l1.mamba_slots", self.tiers.l1.mamba_slots)):
             if pages > MAX_L1_PAGES:
@@ -582,8 +590,14 @@ class HicacheConfig:
         l2 = self.tiers.l2
         if l2.size_gb is None:
             return ratio_of(l1_pages, l2.ratio)
-        per_page = sum(l2_slot_bytes(m, self.host_layout) for m in self.model.members)
-        return max(1, int(l2.size_gb * GiB) // per_page)
+        slots = [l2_slot_bytes(m, self.host_layout) for m in self.model.members]
+        budget = int(l2.size_gb * GiB)
+        # Each member's region starts on an OS page (`HostBufferPools`): the rounding
+        # counts against the budget too.
+        pages = budget // sum(slots)
+        while pages > 1 and sum(-(-pages * b // OS_PAGE) * OS_PAGE for b in slots) > budget:
+            pages -= 1
+        return max(1, pages)
 
     def pages_for(self, kind: ComponentKind) -> int:
         """L1 pool size (in pages or slots) of a component."""
@@ -889,6 +903,9 @@ def _build(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{shown}: holds a NUL character")
         return value
     raise TypeError(f"config schema: unsupported type {tp!r} at {shown}")
+
+
+OS_PAGE = mmap.PAGESIZE  # the L2 pools' regions start on OS pages
 
 
 def l2_slot_bytes(spec: MemberSpec, layout: HostLayout) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from hicache.config import GiB, HicacheConfig, MemberSpec
+from hicache.config import OS_PAGE, GiB, HicacheConfig, MemberSpec
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
@@ -44,7 +44,7 @@ __all__ = [
     "slot_bytes",
 ]
 
-_OS_PAGE = mmap.PAGESIZE
+_OS_PAGE = OS_PAGE  # (the one rule: `HicacheConfig.l2_pages` sizes by it)
 
 
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import Callable
 
@@ -25,12 +26,20 @@ def test_sizes_follow_the_ratio_and_mamba_gets_the_same_multiple() -> None:
     assert host_pages(tiny_config(ratio=2.5)) == {ComponentKind.FULL: 40, ComponentKind.MAMBA: 10}
 
 
+def _buffer(cfg, pages: int, layout: HostLayout) -> int:
+    """The L2 buffer `pages` of every member take: each member's region starts on an OS page."""
+    return sum(-(-pages * slot_bytes(m, layout) // mmap.PAGESIZE) * mmap.PAGESIZE
+               for m in cfg.model.members)
+
+
 def test_size_gb_splits_the_budget_over_every_member() -> None:
-    # One page of every member: full 2x32 + idx 3x8 + mamba 2x24 = 136 bytes.
+    # One page of every member: full 2x32 + idx 3x8 + mamba 2x24 = 136 bytes. With regions
+    # starting on 4 KiB pages, 960 pages take 15 + 6 + 12 of them (135,168 bytes), 961 pages
+    # 16 + 6 + 12: over the 136,000-byte budget (1000 pages would fit unrounded).
+    assert mmap.PAGESIZE == 4096
     cfg = tiny_config(size_gb=136 * 1000 / (1 << 30))
-    pages = host_pages(cfg)
-    assert pages == {ComponentKind.FULL: 1000, ComponentKind.MAMBA: 1000}
-    assert sum(pages[m.component] * m.bytes_per_page for m in cfg.model.members) <= 136 * 1000
+    assert host_pages(cfg) == {ComponentKind.FULL: 960, ComponentKind.MAMBA: 960}
+    assert _buffer(cfg, 960, HostLayout.LAYER_FIRST) <= 136 * 1000 < _buffer(cfg, 961, HostLayout.LAYER_FIRST)
 
 
 def test_a_ratio_whose_float_product_falls_short_of_a_whole_number_rounds_to_it() -> None:
@@ -48,9 +57,8 @@ def test_a_page_first_size_gb_budget_counts_each_slots_header_and_padding() -> N
     budget = 1 << 20
     cfg = tiny_config("page_first", size_gb=budget / (1 << 30))
     pages = host_pages(cfg)
-    used = sum(pages[m.component] * slot_bytes(m, HostLayout.PAGE_FIRST) for m in cfg.model.members)
-    per_page = sum(slot_bytes(m, HostLayout.PAGE_FIRST) for m in cfg.model.members)
-    assert budget - per_page < used <= budget
+    n = pages[ComponentKind.FULL]
+    assert _buffer(cfg, n, HostLayout.PAGE_FIRST) <= budget < _buffer(cfg, n + 1, HostLayout.PAGE_FIRST)
     assert (HEADER_BYTES, SLOT_ALIGN) == (L2_PAGE_HEADER_BYTES, L2_SLOT_ALIGN)  # the object format
 
 
