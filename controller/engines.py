@@ -135,7 +135,16 @@ class EngineRegistry:
             engine.instances[tp_rank] = instance_id
             return
         current = engine.instances.get(tp_rank)
-        if current is not None and current != instance_id and tp_rank not in engine.inherited:
+        if tp_rank in engine.inherited:
+            return
+        if current is None:
+            # The record is a newer one (the daemon restarted, or the lease lapsed, and
+            # another rank attached again): this process's pools and handles are gone.
+            raise FailedPrecondition(
+                f"engine {engine.engine_id!r} rank {tp_rank} is not attached (the daemon "
+                "restarted or the engine's lease lapsed since, and another rank attached "
+                "again): call Attach again")
+        if current != instance_id:
             raise NotFound(f"engine {engine.engine_id!r} rank {tp_rank}: another process attached "
                            "it since; this one's locks and allocations were released: call "
                            "Attach again (or use an engine id of its own)")
