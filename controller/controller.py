@@ -79,6 +79,7 @@ class _InsertPlan(NamedTuple):
     pages: dict[ComponentKind, np.ndarray]
     slot: int | None  # the MAMBA checkpoint handed over
     session: str | None
+    since: int | None  # when the request began, on the tree's session clock (None: now)
 
 
 # What `HybridCacheController.counters` counts (the prefetcher counts into it too).
@@ -314,7 +315,8 @@ class HybridCacheController(CacheService):
             lock_id = 0
             if m.lock is not None and wants_lock:
                 lock_id = self._engines.add_lock(
-                    LockRecord(engine_id, req.namespace, m.lock, req.session_id)
+                    LockRecord(engine_id, req.namespace, m.lock, req.session_id,
+                               self.tree.session_clock)
                 )
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
@@ -467,7 +469,7 @@ class HybridCacheController(CacheService):
             except BaseException:  # (the copy engine's error): nobody would free them
                 self._free_allocation(AllocationRecord(engine_id, namespace, 0, pages, slot))
                 raise
-        record = AllocationRecord(engine_id, namespace, start_page, pages, slot)
+        record = AllocationRecord(engine_id, namespace, start_page, pages, slot, self.tree.session_clock)
         try:
             alloc_id = self._engines.add_allocation(record, made_for)
         except BaseException:  # the engine's lease lapsed meanwhile: nobody would free them
@@ -579,7 +581,8 @@ class HybridCacheController(CacheService):
             pages = {kind: alloc.pages[kind][lo : lo + need] for kind in self._paged}
         slot = alloc.mamba_slot if (alloc is not None and req.mamba_checkpoint) else None
         session = req.session_id or (lock_rec.session_id if lock_rec else "") or None
-        return _InsertPlan(lock_rec, alloc, begin, need, pages, slot, session)
+        since = lock_rec.since if lock_rec else alloc.since if alloc else None
+        return _InsertPlan(lock_rec, alloc, begin, need, pages, slot, session, since)
 
     def insert(self, engine_id: str, req: InsertRequest) -> InsertOutcome:
         self._check_tokens(req.tokens)
@@ -618,7 +621,7 @@ class HybridCacheController(CacheService):
                 result = self.tree.insert(
                     req.namespace, req.tokens, plan.pages, lock=lock_rec.tree_lock if lock_rec else None,
                     keep_lock=req.keep_lock, mamba_slot=slot if fresh is None else fresh,
-                    session_id=plan.session,
+                    session_id=plan.session, session_since=plan.since,
                 )
             except BaseException:  # (the copy engine's error too): nothing committed
                 if fresh is not None:

@@ -31,6 +31,7 @@ class LockRecord:
     namespace: str
     tree_lock: TreeLock
     session_id: str
+    since: int = 0  # the tree's session clock at the match (`HiRadixTree.session_clock`)
 
 
 @dataclass
@@ -40,6 +41,7 @@ class AllocationRecord:
     start_page: int  # token page the first page id stands for
     pages: dict[ComponentKind, np.ndarray]  # per-page components, in token order
     mamba_slot: int | None  # the request's working state (copy-on-write target)
+    since: int = 0  # the tree's session clock when it was made (`HiRadixTree.session_clock`)
     # Pages a keep_lock Insert did not commit (the tree held those tokens already) that
     # the running request still reads its KV from: freed with the allocation, not before.
     retired: dict[ComponentKind, list[np.ndarray]] = field(default_factory=dict)

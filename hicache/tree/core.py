@@ -187,6 +187,12 @@ class HiRadixTree:
         return self._locked[tier][self._by_kind[kind].index]
 
     @property
+    def session_clock(self) -> int:
+        """Now, on the sessions' clock: what a request that names its session only when
+        it ends passes to `insert` as `session_since` (when it began)."""
+        return self._sessions.clock
+
+    @property
     def active_locks(self) -> int:
         return len(self._locks)
 
@@ -594,6 +600,7 @@ class HiRadixTree:
         keep_lock: bool = False,
         mamba_slot: int | None = None,
         session_id: str | None = None,
+        session_since: int | None = None,
         tier: Tier = Tier.DEVICE,
     ) -> InsertResult:
         """Commit `tokens` (whole pages; a partial last page is ignored) with its L1 pages.
@@ -607,7 +614,9 @@ class HiRadixTree:
         a prefix of `tokens`, NotFound for a released lock.
 
         `tier=HOST` commits pages that arrived in L2 (a prefetch): they continue the
-        lock's whole path rather than its device part."""
+        lock's whole path rather than its device part. `session_since`: when the request
+        began (`session_clock`), for a session it names that its lock does not carry: a
+        session closed since stays closed (the insert references nothing)."""
         tokens = self._check_tokens(tokens)
         if tier is Tier.STORAGE:
             raise InvalidArgument("L3 residency is recorded with set_resident, not insert")
@@ -647,7 +656,8 @@ class HiRadixTree:
                 self.unlock(lock)
         sid = session_id if session_id is not None else (lock.session_id if lock else None)
         if sid and not keep_lock:
-            gen = lock.session_gen if lock is not None and lock.session_id == sid else self._sessions.open(sid)
+            gen = (lock.session_gen if lock is not None and lock.session_id == sid
+                   else self._sessions.open(sid, session_since))
             self._reference_session(sid, gen, node if node.parent is not None else None)
         ps = self.page_size
         return InsertResult(

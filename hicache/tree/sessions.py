@@ -1,16 +1,17 @@
 """Session bookkeeping: which boundary each open session last finished at.
 
-Generations come from one counter for the whole tree, so a session closed and reopened
+Generations come from one clock for the whole tree, so a session closed and reopened
 never sees the generation it had before: a late request (matched under the old
-generation) cannot restore references after close/reopen. A bounded record of closed
-sessions makes CloseSession idempotent: closing a recently closed session again changes
-nothing and returns what the first close returned (a caller that retries after a lost
-answer gets that answer, not 0 or NOT_FOUND).
+generation) cannot restore references after close/reopen. A request that names its
+session only when it ends (an Insert without the match's lock) says when it began
+(`since`, the clock then): closed after that, the session stays closed. A bounded record
+of closed sessions makes CloseSession idempotent: closing a recently closed session again
+changes nothing and returns what the first close returned (a caller that retries after a
+lost answer gets that answer, not 0 or NOT_FOUND).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,24 +23,33 @@ from hicache.tree.node import Node
 class Session:
     generation: int
     end: Node | None = None  # the boundary its last finished request reached
+    reopened_at: int = 0  # the clock at the close this generation follows (0: none known)
 
 
 class SessionTable:
     def __init__(self, max_closed: int) -> None:
         self._open: dict[str, Session] = {}
-        self._closed: OrderedDict[str, int] = OrderedDict()  # session id -> what its close returned
-        self._gens = itertools.count(1)
+        # session id -> (what its close returned, the clock at the close)
+        self._closed: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.clock = 0  # ticks at every open and close
         self._max_closed = max_closed
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def open(self, session_id: str) -> int:
-        """The session's current generation, opening (or reopening) it if needed."""
+    def open(self, session_id: str, since: int | None = None) -> int:
+        """The session's current generation, opening (or reopening) it if needed; 0 (no
+        session) for a request that began at clock `since` when the session was closed
+        after that: a late request of the closed session, not a new one's."""
         session = self._open.get(session_id)
-        if session is None:
-            self._closed.pop(session_id, None)
-            session = self._open[session_id] = Session(next(self._gens))
+        if session is not None:
+            return 0 if since is not None and session.reopened_at > since else session.generation
+        closed = self._closed.get(session_id)
+        if since is not None and closed is not None and closed[1] > since:
+            return 0
+        self._closed.pop(session_id, None)
+        self.clock += 1
+        session = self._open[session_id] = Session(self.clock, reopened_at=closed[1] if closed else 0)
         return session.generation
 
     def current(self, session_id: str, generation: int) -> Session | None:
@@ -55,8 +65,11 @@ class SessionTable:
         None when the session is neither open nor recently closed."""
         session = self._open.pop(session_id, None)
         if session is None:
-            return self._closed.get(session_id)
-        released = self._closed[session_id] = drop(session)
+            closed = self._closed.get(session_id)
+            return None if closed is None else closed[0]
+        released = drop(session)
+        self.clock += 1
+        self._closed[session_id] = (released, self.clock)
         while len(self._closed) > self._max_closed:
             self._closed.popitem(last=False)
         return released

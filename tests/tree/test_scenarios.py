@@ -231,6 +231,26 @@ def test_late_request_cannot_restore_references_after_close_and_reopen() -> None
     # Only the new generation's boundary is referenced: page 1 (late) goes first.
     assert list(tree.evict(Tier.DEVICE, FULL, 1).freed[FULL]) == [1]
 
+def test_a_request_naming_its_session_only_at_insert_is_late_if_it_began_before_a_close() -> None:
+    """An insert without the match's lock says when the request began (`session_since`):
+    the session closed after that stays closed, and once reopened by a newer request the
+    late one references nothing in it either; one that began after the close opens it."""
+    tree = make_tree(4)
+    tree.match("", seq(0, 4), lock=True, session_id="s")  # opens s
+    began = tree.session_clock
+    assert tree.close_session("s") == 0
+    tree.insert("", seq(0, 4), {FULL: ids(1)}, session_id="s", session_since=began)
+    assert tree.close_session("s") == 0  # still the closed session: the same answer
+    fresh = tree.match("", seq(80, 4), lock=True, session_id="s")  # a new request reopens it
+    tree.insert("", seq(40, 4), {FULL: ids(2)}, session_id="s", session_since=began)
+    tree.insert("", seq(80, 4), {FULL: ids(3)}, lock=fresh.lock)
+    assert tree.close_session("s") == 1  # the new request's page only
+    after = tree.session_clock
+    tree.insert("", seq(120, 4), {FULL: ids(4)}, session_id="s", session_since=after)
+    assert tree.close_session("s") == 1  # began after the close: a new generation of s
+    tree.check_integrity()
+
+
 
 def test_mamba_checkpoint_copy_on_write_keeps_the_original() -> None:
     tree = make_tree(4, mamba=True)
