@@ -13,12 +13,14 @@ from typing import Any
 
 import yaml
 
+from hicache.argtypes import UsageError, address
 from hicache.config import (
     HicacheConfig,
     header_value,
     load_config,
     one_line,
     read_named_file,
+    redact_url,
     to_plain,
 )
 from hicache.endpoint import parse_address
@@ -52,6 +54,7 @@ def describe(cfg: HicacheConfig) -> str:
     plain = to_plain(cfg)
     for entry in plain["server"]["tokens"]:  # (what config check prints may end up in logs)
         entry["token"] = "(hidden)"
+    plain["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)  # (its password)
     lines = [yaml.safe_dump(plain, sort_keys=False).rstrip(), "", "# derived"]
     l1 = cfg.l1_pages
     l2 = cfg.l2_pages(l1)
@@ -85,17 +88,6 @@ def describe(cfg: HicacheConfig) -> str:
 
 
 
-class UsageError(Exception):
-    """Command-line options that cannot go together: exit 2, like argparse's own errors."""
-
-
-def _address(value: str) -> str:
-    """--target: a malformed address is a usage error (exit 2), not an unhealthy daemon."""
-    try:
-        parse_address(value)
-    except HicacheError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file, args.set)
@@ -208,8 +200,17 @@ def _read(path: str, what: str) -> bytes:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from hicache.bench.services import ServiceError
+
     module = importlib.import_module(f"hicache.bench.{args.bench_name}")
-    rc: int = module.run(args)
+    try:
+        rc: int = module.run(args)
+    except ServiceError as e:  # a service binary (or CUDA) this benchmark needs is missing
+        print(f"hicache bench {args.bench_name}: cannot run here: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a daemon or engine process the benchmark started failed
+        print(f"hicache bench {args.bench_name}: {e}", file=sys.stderr)
+        return 1
     return rc
 
 
@@ -234,7 +235,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         ("stats", "pool usage and counters", _cmd_stats),
     ):
         h = sub.add_parser(name, help=help_text)
-        h.add_argument("--target", type=_address,
+        h.add_argument("--target", type=address,
                        help="unix:///path or host:port (default: server.listen)")
         h.add_argument("--config", help="hicache.yaml whose server.listen is the default target")
         h.add_argument("--token-file", help="file holding a bearer token (TCP with tokens)")

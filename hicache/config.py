@@ -21,6 +21,7 @@ import re
 import reprlib
 import types
 import typing
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -1002,16 +1003,37 @@ def _brief(value: object) -> str:
     return _SHOWN.repr(value)
 
 
+# Keys whose values are never printed: the bearer tokens, and the Redis URL (it may hold a
+# password). A configuration error goes to stderr, which systemd sends to the journal.
+SECRET_KEYS = ("server.tokens", "storage.redis.url")
+
+
+def redact_url(url: str) -> str:
+    """The URL without its credentials: `user:password@`, and a `password=` (or
+    `username=`) query parameter, which redis-py takes too."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, q, query = rest.partition("?")
+    _, at, host = rest.rpartition("@")
+    if q:
+        params = [p if urllib.parse.unquote(p.split("=", 1)[0]).lower()
+                  not in ("password", "username") else f"{p.split('=', 1)[0]}=***"
+                  for p in query.split("&")]
+        host = f"{host}?{'&'.join(params)}"
+    return f"{scheme}{sep}{'***@' if at else ''}{host}"
+
+
 def _secret(path: str) -> bool:
-    """Whether `path` lies in `server.tokens`, whose values are never printed: a
-    configuration error goes to stderr, which systemd sends to the journal."""
-    return path == "server.tokens" or path.startswith(("server.tokens[", "server.tokens."))
+    """Whether `path` lies in one of `SECRET_KEYS`."""
+    return any(path == key or path.startswith((f"{key}[", f"{key}.")) for key in SECRET_KEYS)
 
 
 def _may_hold_secret(path: str) -> bool:
-    """`_secret`, or a section above `server.tokens`: a value given there (a list where a
-    mapping belongs) may hold the tokens."""
-    return _secret(path) or path in ("", "<root>", "server")
+    """`_secret`, or a section above one of `SECRET_KEYS`: a value given there (a list or
+    a string where a mapping belongs) may hold the secret."""
+    return _secret(path) or path in ("", "<root>") or any(
+        key.startswith(f"{path}.") for key in SECRET_KEYS)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hicache.bench.services import start_redis
+from hicache.argtypes import UsageError, positive_int
+from hicache.bench.services import ServiceError, find_binary, start_redis
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController, build_controller
@@ -132,7 +133,7 @@ def serving(requests: int, seed: int) -> dict[str, float]:
                     t0 = time.perf_counter()
                     _request(ctl, tokens)
                     times.append(time.perf_counter() - t0)
-                return statistics.mean(times[5:])
+                return statistics.mean(times[min(5, len(times) // 2):])  # (after a warm-up)
 
             healthy = run(prompts[:requests])
             server.stop(kill=True)
@@ -148,14 +149,18 @@ def serving(requests: int, seed: int) -> dict[str, float]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=32768, help="prefix brought from L3 to L1")
-    p.add_argument("--repeat", type=int, default=11, help="trials; each figure is their median")
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--tokens", type=positive_int, default=32768, help="prefix brought from L3 to L1")
+    p.add_argument("--repeat", type=positive_int, default=11, help="trials; each figure is their median")
+    p.add_argument("--requests", type=positive_int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tokens % PAGE:
+        raise UsageError(f"--tokens: {args.tokens} is not a multiple of the page size ({PAGE})")
+    if find_binary("redis-server") is None:  # (the serving figure's; checked before the rest)
+        raise ServiceError("redis-server not found on PATH (the Debian package redis-server)")
     load = l3_to_l1(args.tokens, args.repeat, args.seed)
     print(f"L3->L1 {load['tokens']} tokens ({load['bytes'] / 2**20:.0f} MiB): prefetch + load "
           f"{load['ours_s'] * 1e3:.1f} ms, raw read + one copy {load['raw_s'] * 1e3:.1f} ms -> "

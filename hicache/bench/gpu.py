@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.argtypes import positive_int
+from hicache.bench.services import ServiceError
 from hicache.config import build_config
 from hicache.types import ComponentKind
 
@@ -58,15 +60,14 @@ def oracle(page: int, layer: int, width: int) -> torch.Tensor:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pages", type=int, default=4096, help="pages per family copy")
-    parser.add_argument("--repeat", type=int, default=9, help="timed runs per figure (median)")
+    parser.add_argument("--pages", type=positive_int, default=4096, help="pages per family copy")
+    parser.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure (median)")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        print("hicache bench gpu: CUDA is not available on this machine; nothing to measure")
-        return 0
+        raise ServiceError("CUDA is not available on this machine: nothing to measure")
     from hicache.tiers.cuda import CudaCopyEngine, CudaDevicePools
     from hicache.tiers.host import build_host_pools
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.argtypes import one_of, positive_int
 from hicache.bench.services import ServiceError, start_mooncake_master, start_redis
 from hicache.config import (
     FileStorageConfig,
@@ -44,11 +45,12 @@ BACKENDS = ("file", "mooncake", "redis")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--l3-objects", type=int, default=4096, help="objects per run")
-    parser.add_argument("--l3-object-kib", type=int, default=64, help="payload KiB per object")
-    parser.add_argument("--l3-batch", type=int, default=256, help="objects per call")
-    parser.add_argument("--l3-repeat", type=int, default=3, help="timed runs per figure (median)")
-    parser.add_argument("--l3-backends", default=",".join(BACKENDS), help="comma-separated")
+    parser.add_argument("--l3-objects", type=positive_int, default=4096, help="objects per run")
+    parser.add_argument("--l3-object-kib", type=positive_int, default=64, help="payload KiB per object")
+    parser.add_argument("--l3-batch", type=positive_int, default=256, help="objects per call")
+    parser.add_argument("--l3-repeat", type=positive_int, default=3, help="timed runs per figure (median)")
+    parser.add_argument("--l3-backends", type=one_of(BACKENDS), default=",".join(BACKENDS),
+                        help="comma-separated: " + ", ".join(BACKENDS))
     parser.add_argument(
         "--l3-dir", default=None, help="file backend directory (default: a temp dir)"
     )

@@ -24,6 +24,14 @@ from typing import Any
 import numpy as np
 import yaml
 
+from hicache.argtypes import (
+    UsageError,
+    address,
+    nonnegative_int,
+    one_of,
+    positive_float,
+    positive_int,
+)
 from hicache.bench.oracle import KvOracle
 from hicache.bench.services import serving_daemon
 from hicache.controller.base import PrefetchState
@@ -57,30 +65,32 @@ class RunFigures:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="an already running daemon (unix:///path or host:port)")
-    p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--input-tokens", type=int, default=512)
-    p.add_argument("--shared-prefix-tokens", type=int, default=1024)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--target", type=address,
+                   help="an already running daemon (unix:///path or host:port)")
+    p.add_argument("--clients", type=positive_int, default=16)
+    p.add_argument("--rounds", type=positive_int, default=8)
+    p.add_argument("--input-tokens", type=positive_int, default=512)
+    p.add_argument("--shared-prefix-tokens", type=nonnegative_int, default=1024)
+    p.add_argument("--output-tokens", type=nonnegative_int, default=64)
+    p.add_argument("--page-size", type=positive_int, default=64)
     p.add_argument("--components", default="full", choices=["full", "full,swa", "full,swa,mamba"])
-    p.add_argument("--swa-window", type=int, default=256)
+    p.add_argument("--swa-window", type=positive_int, default=256)
     p.add_argument("--sidecars", action="store_true", help="add an indexer sidecar to FULL")
-    p.add_argument("--kv-bytes-per-token", type=int, default=16, help="per layer; small so runs fit here")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--l1-tokens", type=int, default=16384)
-    p.add_argument("--l2-ratio", type=float, default=2.0)
-    p.add_argument("--l2-tokens", type=int, help="overrides --l2-ratio")
+    p.add_argument("--kv-bytes-per-token", type=positive_int, default=16, help="per layer; small so runs fit here")
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--l1-tokens", type=positive_int, default=16384)
+    p.add_argument("--l2-ratio", type=positive_float, default=2.0)
+    p.add_argument("--l2-tokens", type=positive_int, help="overrides --l2-ratio")
     p.add_argument("--l3", default="file", choices=["none", "file", "mooncake", "redis"])
     p.add_argument("--write-policy", default="write_through",
                    choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--prefetch-policy", default="wait_complete",
                    choices=["best_effort", "wait_complete", "timeout"])
-    p.add_argument("--concurrency", type=int, default=1, help="engine processes")
+    p.add_argument("--concurrency", type=positive_int, default=1, help="engine processes")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-tokens-per-s", type=float, help="model uncached tokens as compute")
-    p.add_argument("--compare", help="comma list of l1, l1+l2, l1+l2+l3 run one after another")
+    p.add_argument("--prefill-tokens-per-s", type=positive_float, help="model uncached tokens as compute")
+    p.add_argument("--compare", type=one_of(tuple(CONFIGS)),
+                   help="comma list of l1, l1+l2, l1+l2+l3 run one after another")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     p.add_argument("--no-progress", action="store_true")
@@ -248,7 +258,7 @@ def run_config(args: argparse.Namespace, name: str, overrides: dict[str, Any]) -
             t0 = time.perf_counter()
             for p in procs:
                 p.start()
-            figures = _collect(q, args, name, len(procs))
+            figures = _collect(q, args, name, procs)
             for p in procs:
                 p.join()
                 if p.exitcode:
@@ -268,7 +278,12 @@ def _prompt_len(args: argparse.Namespace, r: int) -> int:
     return args.shared_prefix_tokens + (r + 1) * args.input_tokens + r * args.output_tokens
 
 
-def _collect(q: Any, args: argparse.Namespace, name: str, engines: int) -> RunFigures:
+def _collect(q: Any, args: argparse.Namespace, name: str, procs: list[Any]) -> RunFigures:
+    """The engines' figures as they report them; RuntimeError as soon as an engine
+    process has ended without reporting (it failed: an unreachable daemon, a bug)."""
+    import queue
+
+    engines = len(procs)
     per_round: dict[int, list[tuple[int, ...]]] = {r: [] for r in range(args.rounds)}
     figures = RunFigures()
     checked = 0
@@ -277,7 +292,16 @@ def _collect(q: Any, args: argparse.Namespace, name: str, engines: int) -> RunFi
     seen = 0
     modelled = 0.0
     while checked < engines:
-        item = q.get(timeout=600)
+        try:
+            item = q.get(timeout=1.0)
+        except queue.Empty:
+            # (an engine that reported puts its last message before it exits)
+            ended = [p for p in procs if p.exitcode is not None]
+            if any(p.exitcode for p in ended) or len(ended) == engines:
+                codes = ", ".join(str(p.exitcode) for p in ended)
+                raise RuntimeError(f"{name}: an engine process ended without reporting "
+                                   f"(exit codes {codes}); see its output above") from None
+            continue
         if item[0] == "checked":
             figures.pages_checked += item[1]
             figures.wrong_bytes += item[2]
@@ -346,11 +370,13 @@ def _plot(results: dict[str, RunFigures], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     names = args.compare.split(",") if args.compare else ["run"]
+    if args.plot:
+        try:  # (checked before the runs, not after them)
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'") from None
     results: dict[str, RunFigures] = {}
     for name in names:
-        if name != "run" and name not in CONFIGS:
-            print(f"--compare: {name!r} is not one of {sorted(CONFIGS)}", file=sys.stderr)
-            return 2
         results[name] = run_config(args, name, CONFIGS.get(name, {}))
         print(_table(name, results[name]))
     if args.json:

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache.argtypes import address, positive_float, positive_int
 from hicache.bench.services import serving_daemon
 from hicache.client import Client, insert_op, match_op
 
@@ -49,10 +50,10 @@ BLOCKS = 10  # the empty calls, rounds and batches alternate in this many blocks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calls", type=int, default=2000, help="timed empty calls and rounds")
-    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--target", help="use a running daemon instead of starting one")
+    parser.add_argument("--calls", type=positive_int, default=2000, help="timed empty calls and rounds")
+    parser.add_argument("--seconds", type=positive_float, default=3.0, help="duration of each throughput run")
+    parser.add_argument("--processes", type=positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--target", type=address, help="use a running daemon instead of starting one")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
 
 

@@ -17,11 +17,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hicache.argtypes import positive_int
 from hicache.config import build_config
 from hicache.tiers.copy import CpuCopyEngine
 from hicache.tiers.device import ShmDevicePools
@@ -33,8 +35,8 @@ SEED = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pages", type=int, default=4096, help="pages per family copy")
-    parser.add_argument("--repeat", type=int, default=9, help="timed runs per figure (median)")
+    parser.add_argument("--pages", type=positive_int, default=4096, help="pages per family copy")
+    parser.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure (median)")
     parser.add_argument("--skip-l3", action="store_true", help="only the L1<->L2 half")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     l3 = _l3_module()
@@ -126,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         notes.append("L3 half skipped: hicache.bench.l3 is not installed")
     else:
         l3_result = l3.run_l3(args)
+        if args.l3_json:
+            Path(args.l3_json).write_text(json.dumps(l3_result, indent=2))
         ratios.update(l3_result.get("ratios", {}))
         figures["l3"] = {k: v for k, v in l3_result.items() if k != "ratios"}
     figures["ratios"] = ratios

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from hicache import allocator
+from hicache.argtypes import positive_int
 from hicache.tree import HiRadixTree
 from hicache.types import ComponentKind, Tier
 
@@ -273,17 +274,15 @@ def prompt_growth(page_size: int, spec: str, max_tokens: int = 131072, seed: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--turns", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--conversations", type=positive_int, default=48)
+    p.add_argument("--turns", type=positive_int, default=20)
+    p.add_argument("--rounds", type=positive_int, default=5,
                    help="side-by-side runs of FULL and the hybrid per page size and budget")
     p.add_argument("--quick", action="store_true", help="fewer configurations (CI smoke run)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.rounds < 1:
-        raise SystemExit(f"--rounds: {args.rounds} (at least 1)")
     tracemalloc.stop()
     allocator.tune()  # as `hicache serve` runs the tree
     pairs = [(64, 2_000_000), (64, 262_144), (1, 2_000_000), (1, 262_144)]

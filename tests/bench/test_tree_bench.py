@@ -65,6 +65,9 @@ def test_run_writes_the_figures_and_ratios(tmp_path) -> None:
         assert len(rounds) == 2 and min(rounds) <= value <= max(rounds)
 
 
-def test_rounds_below_one_are_refused() -> None:
-    with pytest.raises(SystemExit, match="--rounds: 0"):
-        bench.run(parse("--rounds", "0"))
+def test_counts_below_one_are_usage_errors_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--rounds", "--conversations", "--turns"):
+        with pytest.raises(SystemExit) as exit_:
+            parse(flag, "0")
+        assert exit_.value.code == 2
+        assert f"argument {flag}: 0 (at least 1)" in capsys.readouterr().err

@@ -13,13 +13,12 @@ error for one key (e.g. OOM under `maxmemory`) is `PutStatus.FAILED` for that ke
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from collections.abc import Sequence
 
 import numpy as np
 import redis
 
-from hicache.config import RedisStorageConfig
+from hicache.config import RedisStorageConfig, redact_url
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
 
@@ -57,7 +56,7 @@ class RedisBackend(StorageBackend):
         self._pool, self._client = pool, redis.Redis(connection_pool=pool)
         log.info(
             "L3 redis backend: %s, batch %d, pool %d, ttl %s",
-            _redact(self.cfg.url),
+            redact_url(self.cfg.url),
             self.cfg.batch,
             self.cfg.pool_size,
             self.cfg.ttl_s,
@@ -225,32 +224,16 @@ class RedisBackend(StorageBackend):
         try:
             info = self.client.info("memory")
         except redis.ResponseError as e:  # e.g. an ACL user without INFO: sizes unknown
-            return f"redis {_redact(self.cfg.url)} PING ok (no INFO: {e})", None, None
+            return f"redis {redact_url(self.cfg.url)} PING ok (no INFO: {e})", None, None
         except _DOWN as e:
             raise _unavailable(e) from None
         maxmemory = int(info.get("maxmemory", 0)) or None
         used = int(info.get("used_memory", 0))
-        return f"redis {_redact(self.cfg.url)} PING ok", maxmemory, used
+        return f"redis {redact_url(self.cfg.url)} PING ok", maxmemory, used
 
 
 def _unavailable(e: Exception) -> BackendUnavailable:
     return BackendUnavailable(f"redis: {type(e).__name__}: {e}")
-
-
-def _redact(url: str) -> str:
-    """The URL without its credentials: `user:password@`, and a `password=` (or
-    `username=`) query parameter, which redis-py takes too."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    rest, q, query = rest.partition("?")
-    _, at, host = rest.rpartition("@")
-    if q:
-        params = [p if urllib.parse.unquote(p.split("=", 1)[0]).lower()
-                  not in ("password", "username") else f"{p.split('=', 1)[0]}=***"
-                  for p in query.split("&")]
-        host = f"{host}?{'&'.join(params)}"
-    return f"{scheme}{sep}{'***@' if at else ''}{host}"
 
 
 __all__ = ["RedisBackend"]

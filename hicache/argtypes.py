@@ -1,0 +1,72 @@
+"""Command-line value types and the usage error, shared by the CLI and the benchmarks.
+
+A value that cannot be right (a zero count, a malformed address) is refused by argparse
+itself: exit 2 with a message naming the flag, before anything runs. `UsageError` is the
+same for what argparse cannot tell (options that contradict each other).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from hicache.endpoint import parse_address
+from hicache.errors import HicacheError
+
+
+class UsageError(Exception):
+    """Command-line options that cannot go together: exit 2, like argparse's own errors."""
+
+
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} (at least 1)")
+    return n
+
+
+def nonnegative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} (at least 0)")
+    return n
+
+
+def positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} (a number above 0)")
+    return x
+
+
+def address(value: str) -> str:
+    """unix:///path or host:port; a malformed one is a usage error (exit 2), not an
+    unreachable daemon."""
+    try:
+        parse_address(value)
+    except HicacheError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def one_of(names: tuple[str, ...]) -> Callable[[str], str]:
+    """A comma-separated list of some of `names` (at least one, each known)."""
+
+    def parse(value: str) -> str:
+        given = [n.strip() for n in value.split(",") if n.strip()]
+        unknown = [n for n in given if n not in names]
+        if unknown or not given:
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(map(repr, unknown)) or 'nothing'} given; choose from {', '.join(names)}")
+        return ",".join(given)
+
+    return parse
