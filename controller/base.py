@@ -290,6 +290,11 @@ class CacheService(abc.ABC):
         """Write everything pending (write-back) to L3; returns pages written."""
 
     @abc.abstractmethod
+    def unflushed_pages(self) -> int:
+        """Pages L1/L2 hold that L3 lacks (0 without L3): after a flush, those it could
+        not write (L3 down, or its deadline passed)."""
+
+    @abc.abstractmethod
     def expire_leases(self) -> int:
         """Release everything held by engines whose lease lapsed; returns engines expired.
         The daemon calls it periodically."""

@@ -804,6 +804,9 @@ class HybridCacheController(CacheService):
     def flush(self, timeout_s: float) -> int:
         return self.transfers.flush(timeout_s)
 
+    def unflushed_pages(self) -> int:
+        return self.transfers.unflushed_pages()
+
     # ------------------------------------------------------------------ audits
 
     def check_integrity(self) -> None:

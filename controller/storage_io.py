@@ -64,6 +64,9 @@ class L3Store:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.breaker = breaker or CircuitBreaker()
         self.cache = cache or ExistenceCache()
+        # A store that went down may come back without what it held (a restarted Redis
+        # without persistence, a Mooncake master): what was known present is asked again.
+        self.breaker.on_trip.append(self.cache.clear)
         self.errors = 0
         # Writes the store answered but refused (full, no eviction; a restarted master not
         # ready yet) trip this breaker only: backups stop, reads and lookups go on (a full

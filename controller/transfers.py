@@ -1024,6 +1024,13 @@ class Transfers:
         self.drain(max(0.0, deadline - time.monotonic()))
         return self.stats["backups_l3"] - before
 
+    def unflushed_pages(self) -> int:
+        """FULL pages L1/L2 hold that L3 lacks (after a flush: those it could not write)."""
+        if self.ctl.l3 is None:
+            return 0
+        with self.ctl._mu:
+            return self.tree.full_pages_only_above(Tier.STORAGE)
+
     # ------------------------------------------------------------------ audit
 
     def check_ownership(self, engines: EngineRegistry) -> None:

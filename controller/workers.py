@@ -45,6 +45,8 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._mu = threading.Lock()
         self.trips = 0
+        # Called (on the failing call's thread, the breaker's lock not held) when it opens.
+        self.on_trip: list[Callable[[], None]] = []
 
     @property
     def is_open(self) -> bool:
@@ -81,10 +83,14 @@ class CircuitBreaker:
     def failure(self) -> None:
         with self._mu:
             self._failures += 1
-            if self._failures >= self._threshold and self._opened_at is None:
+            tripped = self._failures >= self._threshold and self._opened_at is None
+            if tripped:
                 self._opened_at = self._clock()
                 self.trips += 1
                 log.warning("L3 circuit breaker open after %d failures", self._failures)
+        if tripped:
+            for listener in self.on_trip:
+                listener()
 
 
 class ExistenceCache:
@@ -156,6 +162,11 @@ class ExistenceCache:
         with self._mu:
             for key in keys:
                 self._present.pop(key, None)
+
+    def clear(self) -> None:
+        with self._mu:
+            self._present.clear()
+            self._absent.clear()
 
 
 @dataclass

@@ -214,6 +214,10 @@ class Daemon:
             try:
                 written = self.core.flush(self.cfg.server.shutdown_flush_s)
                 log.info("flushed %d pages to L3", written)
+                if left := self.core.unflushed_pages():
+                    log.warning("%d pages L3 lacks were not flushed (L3 down, or the %.0f s of "
+                                "server.shutdown_flush_s passed): they leave with this daemon",
+                                left, self.cfg.server.shutdown_flush_s)
             except Exception:
                 log.exception("shutdown flush failed; closing anyway")
             self.core.close()

@@ -471,6 +471,13 @@ class HiRadixTree:
     def depth_tokens(self, node: object | None) -> int:
         return node.depth * self.page_size if isinstance(node, Node) else 0
 
+    def full_pages_only_above(self, tier: Tier) -> int:
+        """FULL pages the tree holds in a tier above `tier` and not in `tier` (O(tree)):
+        for L3, what a flush would still have to write."""
+        below = (1 << tier) - 1
+        return sum(n.npages for n in self.iter_nodes()  # type: ignore[attr-defined]
+                   if n.mask[FULL_INDEX] & below and not n.mask[FULL_INDEX] & (1 << tier))  # type: ignore[attr-defined]
+
     def iter_nodes(self) -> list[object]:
         """Every node of every namespace (for flush and audits; O(tree))."""
         out: list[object] = []

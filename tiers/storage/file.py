@@ -451,6 +451,16 @@ class FileBackend(StorageBackend):
 
     def _probe(self) -> tuple[str, int | None, int | None]:
         def probe() -> tuple[str, int | None, int | None]:
+            if not os.path.lexists(self.root):
+                # Removed under the daemon (by hand, a cleanup job): what it held is gone.
+                # Made again here, as `start` did: an idle daemon gets no write that would
+                # (and with the breaker open, none would reach the backend).
+                os.makedirs(self.root, exist_ok=True)
+                with self._lock:
+                    self._lru.clear()
+                    self._used = 0
+                log.warning("L3 file backend: %s was removed; created it again (the objects "
+                            "it held are gone)", self.root)
             st = os.statvfs(self.root)
             if not os.path.isdir(self.root):
                 raise BackendUnavailable(f"file: {self.root} is not a directory")
