@@ -334,6 +334,31 @@ def test_multiturn_compare_names_are_checked_before_anything_runs(
     assert ran == [], f"ran {ran} before refusing the list"
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--compare", "l1,l1+l2", "--target", "unix:///tmp/x.sock"], "--compare"),
+        (["--l1-tokens", "4096", "--l2-tokens", "4096"], "--l2-tokens"),
+    ],
+    ids=["compare-with-target", "l2-not-above-l1"],
+)
+def test_multiturn_options_that_contradict_are_usage_errors(
+    argv: list[str],
+    flag: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--compare measured the one --target daemon under every label, and an --l2-tokens
+    not above --l1-tokens silently became a ratio of 1.01."""
+    from hicache.bench import multiturn
+
+    ran: list[str] = []
+    monkeypatch.setattr(multiturn, "run_config", lambda args, name, overrides: ran.append(name))
+    rc, _out, err = run_main(["bench", "multiturn", *argv, "--no-progress"], capsys, monkeypatch)
+    assert rc == 2 and flag in err, (rc, err)
+    assert ran == []
+
+
 def test_multiturn_plot_without_matplotlib_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

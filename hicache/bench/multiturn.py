@@ -114,7 +114,7 @@ def _daemon_config(args: argparse.Namespace, overrides: dict[str, Any], tmp: Pat
     ratio = overrides.get("l2_ratio", args.l2_ratio)
     l2: dict[str, Any] = {"ratio": ratio, "reserve_gb": 0.5}
     if args.l2_tokens and "l2_ratio" not in overrides:
-        l2["ratio"] = max(1.01, args.l2_tokens / args.l1_tokens)
+        l2["ratio"] = args.l2_tokens / args.l1_tokens
     storage: dict[str, Any] = {"backend": l3}
     if l3 == "file":
         storage["file"] = {"path": str(tmp / "l3")}
@@ -370,6 +370,10 @@ def _plot(results: dict[str, RunFigures], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     names = args.compare.split(",") if args.compare else ["run"]
+    if args.compare and args.target:
+        raise UsageError("--compare starts a daemon per configuration; it cannot use --target")
+    if args.l2_tokens is not None and args.l2_tokens <= args.l1_tokens:
+        raise UsageError(f"--l2-tokens: {args.l2_tokens} must exceed --l1-tokens ({args.l1_tokens})")
     if args.plot:
         try:  # (checked before the runs, not after them)
             import matplotlib  # noqa: F401
