@@ -96,7 +96,18 @@ def tokens_to_bytes(tokens: bytes | bytearray | memoryview | np.ndarray | Iterab
         return tokens
     if isinstance(tokens, bytearray | memoryview):
         return bytes(tokens)
-    arr = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64)
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        items = list(tokens)
+        if not items:
+            return b""
+        try:  # (Python ints past 64 bits make an object array: refused below)
+            arr = np.asarray(items)
+        except (OverflowError, ValueError):
+            arr = np.asarray(items, dtype=object)
+    if arr.dtype.kind not in "iu":  # a float or other id would be cut to some other token
+        raise InvalidArgument(f"tokens: ids must be integers that fit in uint32 (got {arr.dtype} values)")
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidArgument("tokens: ids must fit in uint32")
     return arr.astype(TOKEN_DTYPE, copy=False).tobytes()
