@@ -52,6 +52,7 @@ L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's he
 # checks it is the object format's HEADER_BYTES, which lives with the storage code) ...
 L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (and an int64 boundary)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
+MAX_TOKEN_CHARS = 4096  # server.tokens[].token
 MAX_TTL_S = (1 << 31) - 1  # storage.redis.ttl_s: ~68 years
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
@@ -421,6 +422,9 @@ class TokenConfig:
     def _validate(self, path: str) -> None:
         if len(self.token) < 16:
             raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
+        if len(self.token) > MAX_TOKEN_CHARS:  # (gRPC refuses metadata past 16 KiB: no call would pass)
+            raise ConfigError(f"{path}.token: at most {MAX_TOKEN_CHARS} characters, to fit in a "
+                              "call's metadata (value hidden)")
         if self.token != self.token.strip() or not header_value(self.token):
             # (a presented token is stripped: one with spaces around could never match)
             raise ConfigError(f"{path}.token: printable ASCII without surrounding spaces (value hidden)")
@@ -458,6 +462,9 @@ class ServerConfig:
             ) from None
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"{path}.socket_mode: {self.socket_mode!r} is out of range")
+        for key in ("tls_cert", "tls_key"):  # ('' is no path: plaintext would follow)
+            if getattr(self, key) is not None and not getattr(self, key).strip():
+                raise ConfigError(f"{path}.{key}: an empty path; leave it out (null) for none")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError(f"{path}.tls_cert/tls_key: give both or neither")
         seen: set[str] = set()

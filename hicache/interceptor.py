@@ -178,6 +178,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
             if isinstance(request, _Undecodable):
                 raise InvalidArgument(request.message)
             yield
+            code = _code_set(context) or code  # (a handler may answer a status itself)
         except GeneratorExit:  # a server stream its caller cancelled (or left)
             code = "CANCELLED"
             raise
@@ -185,6 +186,10 @@ class ServerInterceptor(grpc.ServerInterceptor):
             code = "CANCELLED"  # (the call is over: nothing to answer, no bug to log)
             raise
         except Exception as exc:
+            aborted = _code_set(context)
+            if aborted is not None:  # the handler ended the call itself (context.abort)
+                code = aborted
+                raise
             status, message = op_status(exc, label)
             code = status.name
             context.abort(status, message)
@@ -198,6 +203,13 @@ class ServerInterceptor(grpc.ServerInterceptor):
                     self._active -= 1
                     if self._stopping and not self._active:
                         self._idle.notify_all()
+
+
+def _code_set(context: grpc.ServicerContext) -> str | None:
+    """The status code the handler set on the call (`set_code`, `abort`), if any."""
+    code_of = getattr(context, "code", None)  # (a test's stand-in context may lack it)
+    set_code = code_of() if code_of is not None else None
+    return None if set_code is None else str(set_code.name)
 
 
 class _Undecodable:

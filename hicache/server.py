@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -45,6 +45,7 @@ log = logging.getLogger("hicache.server")
 HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 WORKERS = 32
+MAX_HEALTH_WATCHES = 4  # of the WORKERS threads, at most this many held by health Watch streams
 STOP_GRACE_S = 5.0
 STOP_SLACK_S = 1.0  # how long past the grace period a stop waits for gRPC's own end
 SIGNAL_POLL_S = 0.2  # how often the main thread wakes to run a signal's handler
@@ -55,7 +56,7 @@ CoreFactory = Callable[[HicacheConfig, str], CacheService]
 
 def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
     """Plaintext TCP only on loopback: anything else needs TLS."""
-    if endpoint.is_unix or endpoint.is_loopback or cfg.server.tls_cert:
+    if endpoint.is_unix or endpoint.is_loopback or cfg.server.tls_cert is not None:
         return
     raise FailedPrecondition(
         f"server.listen={endpoint.address} is not a loopback address: TCP on it requires TLS "
@@ -66,7 +67,35 @@ def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
 class HealthServicer(health.HealthServicer):
     """The standard grpc.health.v1 service, whose NOT_FOUND for a service it does not
     know says so (the library's carries no message; every status here says what was
-    wrong)."""
+    wrong), and which serves at most `max_watches` Watch streams at once: each holds a
+    server thread for its life (the sync server runs the library's blocking watcher), and
+    Watch needs no token, so 32 of them from anyone who can connect stalled every call."""
+
+    def __init__(self, max_watches: int = MAX_HEALTH_WATCHES) -> None:
+        super().__init__()
+        self._max_watches = max_watches
+        self._watch_slots = threading.BoundedSemaphore(max_watches)
+
+    def Watch(self, request: Any, context: grpc.ServicerContext,
+              send_response_callback: Any = None) -> Any:
+        if send_response_callback is not None:  # (the non-blocking form holds no thread)
+            return super().Watch(request, context, send_response_callback)
+        if not self._watch_slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"grpc.health.v1: at most {self._max_watches} Watch streams at once "
+                          "(each holds a server thread); poll with Check instead")
+        try:
+            watcher = super().Watch(request, context)
+        except BaseException:
+            self._watch_slots.release()
+            raise
+        return self._released_at_end(watcher)
+
+    def _released_at_end(self, watcher: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from watcher
+        finally:
+            self._watch_slots.release()
 
     def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
         response = super().Check(request, context)
@@ -150,7 +179,7 @@ class Daemon:
                 port = _bound(lambda: self.server.add_insecure_port(target))
             finally:
                 os.umask(old)
-        elif self.cfg.server.tls_cert and self.cfg.server.tls_key:
+        elif self.cfg.server.tls_cert is not None and self.cfg.server.tls_key is not None:
             key_pem = read_named_file(self.cfg.server.tls_key, "server.tls_key", FailedPrecondition)
             cert_pem = read_named_file(self.cfg.server.tls_cert, "server.tls_cert", FailedPrecondition)
             try:
