@@ -206,6 +206,7 @@ class L3Stats:
     bytes_written: int = 0  # objects stored (PutStatus.STORED)
     corrupt: int = 0  # objects read that failed verification (each a miss)
     corrupt_removed: int = 0  # of those, removed from the store (see tiers/storage/base.py)
+    evicted: int = 0  # objects the backend removed to stay within its capacity
 
 
 @dataclass(frozen=True)

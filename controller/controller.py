@@ -763,13 +763,16 @@ class HybridCacheController(CacheService):
     def stats(self) -> StatsSnapshot:
         pools: list[PoolUsage] = []
         with self._mu:
+            held = self._engines.held_pages()  # (in L1: not evictable, like locked pages)
             for tier, pools_obj in ((Tier.DEVICE, self.device), (Tier.HOST, self.host)):
                 for member in self.cfg.model.members:
-                    alloc = pools_obj.allocator(member.component)
+                    kind = member.component
+                    alloc = pools_obj.allocator(kind)
                     pools.append(PoolUsage(
                         tier=tier.name.lower(), member=member.name, capacity_pages=alloc.total,
                         used_pages=alloc.total - alloc.free_count,
-                        locked_pages=self.tree.locked_pages(tier, member.component),
+                        locked_pages=self.tree.locked_pages(tier, kind)
+                        + (held[kind] if tier is Tier.DEVICE else 0),
                     ))
             counters = dict(self.counters)
             counters.update(self.transfers.counters())
@@ -780,6 +783,8 @@ class HybridCacheController(CacheService):
                 counters["l3_errors"] = self.l3.errors
                 counters["l3_breaker_trips"] = self.l3.breaker.trips
         l3 = (self.l3.stats(),) if self.l3 is not None else ()
+        if l3:  # the store's own evictions, in pages (an object holds one member's page)
+            counters["evictions_storage"] = l3[0].evicted // len(self.cfg.model.members)
         return StatsSnapshot(tuple(pools), counters, l3)
 
     def health(self, deep: bool) -> tuple[BackendHealth, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -239,6 +239,19 @@ class EngineRegistry:
     @property
     def lock_count(self) -> int:
         return len(self._locks)
+
+    def held_pages(self) -> Counter[ComponentKind]:
+        """L1 pages (and MAMBA slots) the open allocations hold, per component: the engines'
+        and not evictable (O(allocations), for stats)."""
+        held: Counter[ComponentKind] = Counter()
+        for rec in self._allocations.values():
+            for kind, ids in rec.pages.items():
+                held[kind] += len(ids)
+            for kind, parts in rec.retired.items():
+                held[kind] += sum(len(p) for p in parts)
+            if rec.mamba_slot is not None:
+                held[ComponentKind.MAMBA] += 1
+        return held
 
     @property
     def allocation_count(self) -> int:

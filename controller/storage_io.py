@@ -302,7 +302,7 @@ class L3Store:
         corrupt objects it found (and removed)."""
         counted = self.backend.stats()
         return self.latency.snapshot(counted.bytes_read, counted.bytes_written, counted.corrupt,
-                                     counted.corrupt_removed)
+                                     counted.corrupt_removed, counted.evicted)
 
     def _failed(self, e: Exception) -> None:
         self.errors += 1

@@ -122,6 +122,9 @@ class BackendStats:
     put_failed: int = 0
     deleted: int = 0
     corrupt_removed: int = 0  # corrupt objects removed from the store after a read
+    # Objects the backend removed to stay within its capacity (the file backend's
+    # `capacity_gb`; Redis and Mooncake evict on their own, uncounted here).
+    evicted: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0  # calls that raised BackendUnavailable
@@ -140,6 +143,7 @@ class _Counters:
     put_failed: int = 0
     deleted: int = 0
     corrupt_removed: int = 0
+    evicted: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0

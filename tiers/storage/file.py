@@ -247,8 +247,10 @@ class FileBackend(StorageBackend):
             self._used -= self._lru.pop(h, 0)
 
     def _unlink(self, digests: Sequence[str]) -> None:
+        """Remove the objects an eviction chose (counted `evicted`)."""
         if not digests:
             return
+        removed = 0
         try:
             for h in digests:
                 try:
@@ -257,9 +259,12 @@ class FileBackend(StorageBackend):
                     continue
                 except OSError as e:
                     raise _unavailable(self.root, e) from None
+                removed += 1
         finally:
             with self._lock:
                 self._evicting.difference_update(digests)
+            with self._counter_lock:
+                self._counters.evicted += removed
 
     # ------------------------------------------------------------------ backend hooks
 
