@@ -394,7 +394,7 @@ class HybridCacheController(CacheService):
                 # prefetch started is cancelled; what arrives still lands, for later).
                 op = self.prefetcher.get(prefetch_id) if prefetch_id else None
                 if op is not None:
-                    op.cancel()
+                    self.prefetcher.cancel(op)
                 self._prefetch_of_lock.pop(lock_id, None)
                 if lock_id or alloc_id:
                     with contextlib.suppress(NotFound):  # lease lapsed: released with it
@@ -738,7 +738,7 @@ class HybridCacheController(CacheService):
 
     def cancel_prefetch(self, prefetch_id: int, engine_id: str | None = None) -> int:
         op = self._prefetch_op(prefetch_id, engine_id)
-        op.cancel()
+        self.prefetcher.cancel(op)
         return op.info().tokens_ready
 
     def _request_moves_on(self, lock_id: int | None) -> None:
@@ -748,7 +748,7 @@ class HybridCacheController(CacheService):
         if prefetch_id and self.cfg.prefetch.policy is PrefetchPolicy.BEST_EFFORT:
             op = self.prefetcher.get(prefetch_id)
             if op is not None:
-                op.cancel()
+                self.prefetcher.cancel(op)
 
     def _prefetch_op(self, prefetch_id: int, engine_id: str | None) -> PrefetchOp:
         """The op, if `engine_id` (None: any caller in this process) started it; another

@@ -77,6 +77,7 @@ class PrefetchOp:
     # Its worker is done with it (`_finish_locked`): a cancel or a timeout ends `state`
     # first, while the worker still holds its pages (mutex).
     finished: bool = False
+    started: bool = False  # its worker took it up (mutex): a queued one has read nothing
     waited_s: float = 0.0  # spent waiting for writes in flight so far (`_wait_left`)
     # Tokens between the match's host boundary and `start_page`: the tree's own storage
     # part, when L3 could not serve it and the op fetches past it (its FULL pages are in
@@ -88,19 +89,27 @@ class PrefetchOp:
     def _ready_tokens(self) -> int:
         return self.pages_ready * self.page_size + self.lead_tokens if self.pages_ready else 0
 
+    def expire_locked(self) -> None:
+        """Caller holds `mu`. A RUNNING op past its deadline is TIMED_OUT, whoever comes
+        first (a status, a cancel, its worker's end): the same history gives the same
+        answer whether the engine polled or not. tokens_ready is frozen from then."""
+        if (self.state is PrefetchState.RUNNING and self.deadline is not None
+                and time.monotonic() >= self.deadline):
+            self.state = PrefetchState.TIMED_OUT
+            self.reported = self._ready_tokens()
+
     def info(self) -> PrefetchInfo:
         with self.mu:
             total = len(self.hashes) * self.page_size + self.lead_tokens
-            if (self.state is PrefetchState.RUNNING and self.deadline is not None
-                    and time.monotonic() >= self.deadline):
-                self.state = PrefetchState.TIMED_OUT
-                self.reported = self._ready_tokens()
+            self.expire_locked()
             ready = self._ready_tokens() if self.reported is None else self.reported
             return PrefetchInfo(self.state, ready, total)
 
     def cancel(self) -> None:
+        """Stop at the next batch (`Prefetcher.cancel` also gives a queued op's pages back)."""
         with self.mu:
             self.cancelled = True
+            self.expire_locked()  # (a timeout that came first decides)
             if self.state is PrefetchState.RUNNING:
                 self.state = PrefetchState.CANCELLED
                 self.reported = self._ready_tokens()
@@ -296,7 +305,19 @@ class Prefetcher:
                     return False
                 transfers.landed.wait(min(left, 0.05))
 
+    def cancel(self, op: PrefetchOp) -> None:
+        """Stop `op`: its worker stops before its next batch; one still queued (behind
+        another op's reads) gives its L2 pages and its share of the budget back now."""
+        op.cancel()
+        with self.ctl._mu:
+            if not op.started and not op.finished:
+                self._finish_locked(op, PrefetchState.CANCELLED)
+
     def _run(self, op: PrefetchOp) -> None:
+        with self.ctl._mu:
+            if op.finished:  # cancelled while queued (`cancel`): it reads nothing
+                return
+            op.started = True
         l3 = self.ctl.l3
         assert l3 is not None
         cfg = self.ctl.cfg
@@ -582,6 +603,7 @@ class Prefetcher:
             self.tree.unlock(op.pin)
         op.pin = None
         with op.mu:
+            op.expire_locked()
             if op.state is PrefetchState.RUNNING:
                 op.state = outcome
             final = op.state  # a cancel or timeout that came first decides
