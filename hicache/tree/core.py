@@ -474,9 +474,14 @@ class HiRadixTree:
     def full_pages_only_above(self, tier: Tier) -> int:
         """FULL pages the tree holds in a tier above `tier` and not in `tier` (O(tree)):
         for L3, what a flush would still have to write."""
-        below = (1 << tier) - 1
-        return sum(n.npages for n in self.iter_nodes()  # type: ignore[attr-defined]
-                   if n.mask[FULL_INDEX] & below and not n.mask[FULL_INDEX] & (1 << tier))  # type: ignore[attr-defined]
+        above, there = (1 << tier) - 1, 1 << tier
+        total = 0
+        for node in self.iter_nodes():
+            assert isinstance(node, Node)
+            mask = node.mask[FULL_INDEX]
+            if mask & above and not mask & there:
+                total += node.npages
+        return total
 
     def iter_nodes(self) -> list[object]:
         """Every node of every namespace (for flush and audits; O(tree))."""

@@ -592,3 +592,16 @@ def test_a_write_back_tier_evicts_an_interior_node_once_its_child_left() -> None
     plain.insert("", seq(0, 8), {FULL: ids(1, 2)})
     plain.insert("", seq(0, 16), {FULL: ids(1, 2, 3, 4)})
     assert plain.evict(Tier.DEVICE, FULL, 4, before_drop=back_up).evicted_pages == 2
+
+
+def test_full_pages_only_above_counts_what_a_flush_would_still_write() -> None:
+    tree = make_tree(4)
+    a = tree.insert("", seq(0, 8), {FULL: ids(1, 2)}).end  # 2 pages, L1 only
+    b = tree.insert("", seq(40, 4), {FULL: ids(3)}).end  # 1 page, L1 only
+    assert tree.full_pages_only_above(Tier.STORAGE) == 3
+    tree.set_resident(a, FULL, Tier.STORAGE)
+    assert tree.full_pages_only_above(Tier.STORAGE) == 1
+    tree.set_resident(b, FULL, Tier.HOST, ids(9))
+    assert tree.full_pages_only_above(Tier.STORAGE) == 1  # in L2 too, still not in L3
+    assert tree.full_pages_only_above(Tier.HOST) == 2  # L1 only: a's two pages
+    tree.check_integrity()
