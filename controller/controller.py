@@ -837,7 +837,8 @@ def open_l3(cfg: HicacheConfig, host: HostPools) -> L3Store:
     backend = build_backend(cfg.storage)
     try:
         backend.register_host_buffer(host.buffer_address, host.buffer_size)
-        return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size)
+        ttl = cfg.storage.redis.ttl_s if cfg.storage.backend is StorageBackendName.REDIS else None
+        return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size, object_ttl_s=ttl)
     except BaseException:
         with contextlib.suppress(Exception):
             backend.close()

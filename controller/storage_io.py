@@ -57,13 +57,16 @@ class L3Written(NamedTuple):
 class L3Store:
     def __init__(self, backend: StorageBackend, host: HostPools, model_id: str,
                  tp_rank: int = 0, tp_size: int = 1, breaker: CircuitBreaker | None = None,
-                 cache: ExistenceCache | None = None) -> None:
+                 cache: ExistenceCache | None = None, object_ttl_s: float | None = None) -> None:
+        """`object_ttl_s`: the store expires objects this long after their last read or
+        write (Redis's `ttl_s`): what is known present is asked again after half of it."""
         self.backend = backend
         self.host = host
         self.model_id = model_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.breaker = breaker or CircuitBreaker()
-        self.cache = cache or ExistenceCache()
+        self.cache = cache or ExistenceCache(
+            present_ttl_s=None if object_ttl_s is None else object_ttl_s / 2)
         # A store that went down may come back without what it held (a restarted Redis
         # without persistence, a Mooncake master): what was known present is asked again.
         self.breaker.on_trip.append(self.cache.clear)

@@ -98,8 +98,13 @@ class ExistenceCache:
     does not cost an existence round trip per page it already asked about."""
 
     def __init__(self, capacity: int = 1 << 18, negative_ttl_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._present: OrderedDict[str, None] = OrderedDict()
+                 clock: Callable[[], float] = time.monotonic,
+                 present_ttl_s: float | None = None) -> None:
+        # key -> when it was known present. With `present_ttl_s` (a store whose objects
+        # expire), an entry older than that is asked again; without, it lasts until the
+        # LRU lets it go.
+        self._present: OrderedDict[str, float] = OrderedDict()
+        self._present_ttl = present_ttl_s
         self._absent: dict[str, float] = {}
         self._capacity = capacity
         self._ttl = negative_ttl_s
@@ -113,10 +118,17 @@ class ExistenceCache:
         with self._mu:
             present = self._present
             n = 0
-            for key in keys:
-                if key not in present:
-                    break
-                n += 1
+            if self._present_ttl is None:
+                for key in keys:
+                    if key not in present:
+                        break
+                    n += 1
+            else:
+                oldest = now - self._present_ttl
+                for key in keys:
+                    if present.get(key, oldest) <= oldest:
+                        break
+                    n += 1
             for key in reversed(keys[:n]):  # (the head ends most recent, as in add_present)
                 present.move_to_end(key)
             if n == len(keys):
@@ -142,7 +154,7 @@ class ExistenceCache:
             # Reversed (known keys too): a run's head ends most recent, so the cache lets go
             # of tails first (a lookup stops at the first key it has lost and asks the
             # store from there).
-            present.update(dict.fromkeys(reversed(keys)))
+            present.update(dict.fromkeys(reversed(keys), self._clock()))
             if self._absent:
                 for key in self._absent.keys() & keys:
                     del self._absent[key]

@@ -184,14 +184,18 @@ class RedisBackend(StorageBackend):
 
     def _write_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         out: list[PutStatus] = []
+        ttl = self.cfg.ttl_s
         try:
             for lo in self._batches(len(keys)):
                 pipe = self.client.pipeline(transaction=False)
                 for key, buf in zip(
                     keys[lo : lo + self.cfg.batch], buffers[lo : lo + self.cfg.batch], strict=True
                 ):
-                    pipe.set(key, buf.data, nx=True, ex=self.cfg.ttl_s)
-                for reply in pipe.execute(raise_on_error=False):
+                    pipe.set(key, buf.data, nx=True, ex=ttl)
+                    if ttl is not None:  # one found there is written to again: it lives on
+                        pipe.expire(key, ttl)
+                replies = pipe.execute(raise_on_error=False)
+                for reply in replies if ttl is None else replies[::2]:
                     if isinstance(reply, Exception):
                         self._warn.warning("put-refused", "redis refused a put: %s", reply)
                         out.append(PutStatus.FAILED)
