@@ -489,13 +489,13 @@ class HybridCacheController(CacheService):
             engine = self._engines.renew(engine_id)
             # A handle sent as 0 is looked up (and refused): 0 is never a handle.
             if req.allocation_id is not None:
-                held = self._engines.allocation(engine_id, req.allocation_id)  # (fail before waiting)
+                held = self._engines.allocation(engine_id, req.allocation_id, req.namespace)  # (fail before waiting)
                 self._check_growth(req.allocation_id, held, req.num_tokens)
                 grown, _ = self._allocate_family(-(-req.num_tokens // self._ps), False)
                 # Allocating may have waited with the mutex released: the allocation must
                 # still be there (a Release or a lapse meanwhile would orphan the pages).
                 try:
-                    record = self._engines.allocation(engine_id, req.allocation_id)
+                    record = self._engines.allocation(engine_id, req.allocation_id, req.namespace)
                     self._check_growth(req.allocation_id, record, req.num_tokens)  # (grown meanwhile?)
                 except (NotFound, InvalidArgument):
                     for kind, ids in grown.items():
