@@ -56,7 +56,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
-from hicache.client_errors import RETRYABLE, from_rpc_error, op_error
+from hicache.client_errors import RETRYABLE, error_for, from_rpc_error, op_error
 from hicache.config import MAX_MESSAGE_BYTES, header_value
 from hicache.controller.base import (
     AllocationInfo,
@@ -102,6 +102,13 @@ os.register_at_fork(after_in_child=_new_instance_id)
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
+# A call that makes locks or allocations is given this much more than the caller waits:
+# a reply that comes in that time after the caller gave up has its handles released
+# (before the next heartbeat), rather than held for the engine's life.
+LATE_REPLY_S = 10.0
+
+# (lock_id, allocation_id) pairs a reply made (0: none), for releasing a late one.
+Made = Callable[[Any], list[tuple[int, int]]]
 
 # Retries of a call safe to repeat: after RETRY_FIRST_S, then RETRY_GROWTH times longer
 # each (with the default 3 retries: 0.1 + 0.3 + 0.9 s, past the channel's longest
@@ -171,6 +178,11 @@ class Client:
         if tls and endpoint.is_unix:
             raise InvalidArgument(f"{target}: TLS is for TCP addresses; a unix socket is never TLS")
         self.engine_id = engine_id or f"engine-{uuid.uuid4().hex[:12]}"
+        # Over TCP a reply the daemon sent in time can still reach this process after the
+        # caller's deadline (a slow network, a proxy): handle-making calls then wait for it
+        # to release what it made (`_settling`). On a unix socket the daemon's own margin
+        # covers the way back, and the plain call is ~50 us cheaper.
+        self._settle_late = not endpoint.is_unix
         self.timeout_s = timeout_s
         self.retries = retries
         self.on_detached = on_detached
@@ -227,25 +239,30 @@ class Client:
         return _INSTANCE_ID
 
     def _call(self, fn: Callable[..., T], request: Any, *, repeatable: bool = False,
-              released_ok: bool = False, timeout_s: float | None = None) -> T:
+              released_ok: bool = False, timeout_s: float | None = None,
+              made: Made | None = None) -> T:
         """One RPC. `repeatable`: retried on UNAVAILABLE (with `released_ok`, a NotFound
         after a retry means the attempt before it released the handle: done). Otherwise
         sent once, after `_reach` when the connection failed last time: a call that may
         have reached the daemon is never sent twice."""
         return self._attempts(fn, request, repeatable=repeatable, released_ok=released_ok,
-                              timeout_s=timeout_s)[0]
+                              timeout_s=timeout_s, made=made)[0]
 
     def _attempts(self, fn: Callable[..., T], request: Any, *, repeatable: bool,
-                  released_ok: bool = False, timeout_s: float | None = None) -> tuple[T, bool]:
+                  released_ok: bool = False, timeout_s: float | None = None,
+                  made: Made | None = None) -> tuple[T, bool]:
         """`_call`, and whether the answer came from a retry (an attempt before it may
-        have taken effect, its answer lost)."""
+        have taken effect, its answer lost). `made`: the call makes locks or allocations,
+        read from its reply by `made` (see `_settling`)."""
         self._check_open()
         delay = RETRY_FIRST_S
         if not repeatable:
             if not self._reached:
                 self._reach()
+            wait = timeout_s or self.timeout_s
             try:
-                out = fn(request, metadata=self._metadata, timeout=timeout_s or self.timeout_s)
+                out = (self._settling(fn, request, wait, made) if made and self._settle_late
+                       else fn(request, metadata=self._metadata, timeout=wait))
             except grpc.RpcError as e:
                 if e.code() in RETRYABLE:
                     self._reached = False
@@ -277,6 +294,34 @@ class Client:
                     raise
                 raise self._closed_error() from e
         raise AssertionError("unreachable")
+
+    def _settling(self, fn: Any, request: Any, wait: float, made: Made) -> Any:
+        """`fn(request)` for a call that makes handles: its deadline is `wait` +
+        LATE_REPLY_S and the caller waits `wait`. A reply that comes after that (a slow
+        node, a slow network) is the caller's no more: the handles it made are released
+        before the next heartbeat. (With the deadline at `wait`, the daemon saw the reply
+        sent in time and the caller never saw it: they stayed held.)"""
+        future = fn.future(request, metadata=self._metadata, timeout=wait + LATE_REPLY_S)
+        try:
+            return future.result(timeout=wait)
+        except grpc.FutureCancelledError:  # (the channel closed under it)
+            raise ValueError("Cannot invoke RPC: the channel closed") from None
+        except grpc.FutureTimeoutError:
+            future.add_done_callback(lambda done: self._owe_late(done, made))
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{wait:g} s; what the call made is released once its answer "
+                            "comes") from None
+
+    def _owe_late(self, done: Any, made: Made) -> None:
+        """A reply given up on arrived (gRPC's thread): its handles are owed releases."""
+        if done.cancelled() or done.exception() is not None:
+            return  # (never made, or the daemon released them: it saw the call fail)
+        owed = [(lock, alloc) for lock, alloc in made(done.result()) if lock or alloc]
+        if owed:
+            with self._owed_mu:
+                self._owed.extend(owed)
+            log.info("a reply given up on made %d locks/allocations; released before the next "
+                     "heartbeat", len(owed))
 
     def _reach(self) -> None:
         """Before a call that must not be sent twice, when no call went through since the
@@ -424,7 +469,9 @@ class Client:
         req = _match_request(tokens, namespace, lock=lock, prefetch=prefetch,
                              allocate_tokens=allocate_tokens, session_id=session_id,
                              request_id=request_id)
-        return convert.match_from_pb(self._call(self._stub.MatchPrefix, req))
+        made: Made | None = (lambda r: [(r.lock_id, r.allocation_id)]) if (
+            lock or allocate_tokens is not None) else None
+        return convert.match_from_pb(self._call(self._stub.MatchPrefix, req, made=made))
 
     def allocate(
         self,
@@ -436,7 +483,9 @@ class Client:
     ) -> AllocationInfo:
         req = pb.AllocateRequest(namespace=namespace, num_tokens=num_tokens,
                                  lock_id=lock_id, allocation_id=allocation_id)
-        return convert.allocation_from_pb(self._call(self._stub.Allocate, req))
+        made: Made | None = None if allocation_id is not None else (
+            lambda r: [(0, r.allocation_id)])  # (growing makes no new handle)
+        return convert.allocation_from_pb(self._call(self._stub.Allocate, req, made=made))
 
     def insert(
         self,
@@ -513,7 +562,8 @@ class Client:
         if any(op.WhichOneof("op") in ("insert", "release") for op in ops):
             self._sync(sync)
         repeatable = all(op.WhichOneof("op") in _REPEATABLE_OPS for op in ops)
-        r, retried = self._attempts(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable)
+        r, retried = self._attempts(self._stub.Batch, pb.BatchRequest(ops=ops), repeatable=repeatable,
+                                    made=lambda reply: _batch_made(ops, reply))
         if len(r.results) != len(ops):
             raise HicacheError(f"Batch: the daemon answered {len(r.results)} results for "
                                f"{len(ops)} ops")
@@ -675,6 +725,18 @@ def _cuda_devices(pools: Sequence[PoolDescriptor]) -> tuple[torch.device, ...]:
 
 
 # --------------------------------------------------------------------------- Batch ops
+
+
+def _batch_made(ops: Sequence[pb.BatchOp], reply: Any) -> list[tuple[int, int]]:
+    """The locks and allocations a Batch's reply made (not those of grown allocations)."""
+    out: list[tuple[int, int]] = []
+    for op, result in zip(ops, reply.results, strict=False):
+        kind = result.WhichOneof("result")
+        if kind == "match_prefix":
+            out.append((result.match_prefix.lock_id, result.match_prefix.allocation_id))
+        elif kind == "allocate" and not op.allocate.HasField("allocation_id"):
+            out.append((0, result.allocate.allocation_id))
+    return out
 
 
 def _match_request(tokens: Tokens, namespace: str = "", *, lock: bool = False,

@@ -199,14 +199,22 @@ class CountingStub:
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._stub, name)
 
-        def invoked(request: Any, *args: Any, **kwargs: Any) -> Any:
+        def record(request: Any) -> None:
             if name == "Batch" and any(op.WhichOneof("op") not in client_module._REPEATABLE_OPS
                                        for op in request.ops):
                 self._log("Batch!")
             else:
                 self._log(name)
+
+        def invoked(request: Any, *args: Any, **kwargs: Any) -> Any:
+            record(request)
             return fn(request, *args, **kwargs)
 
+        def future(request: Any, *args: Any, **kwargs: Any) -> Any:  # (calls making handles, TCP)
+            record(request)
+            return fn.future(request, *args, **kwargs)
+
+        invoked.future = future  # type: ignore[attr-defined]
         return invoked
 
 
