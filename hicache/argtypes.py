@@ -18,24 +18,22 @@ class UsageError(Exception):
     """Command-line options that cannot go together: exit 2, like argparse's own errors."""
 
 
-def positive_int(value: str) -> int:
+def _int_at_least(value: str, lo: int) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} (at least 1)")
+    if n < lo:
+        raise argparse.ArgumentTypeError(f"{n} (at least {lo})")
     return n
+
+
+def positive_int(value: str) -> int:
+    return _int_at_least(value, 1)
 
 
 def nonnegative_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} (at least 0)")
-    return n
+    return _int_at_least(value, 0)
 
 
 def positive_float(value: str) -> float:

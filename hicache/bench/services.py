@@ -24,7 +24,8 @@ READY_TIMEOUT_S = 20.0
 
 
 class ServiceError(RuntimeError):
-    """A service binary is missing or did not become ready."""
+    """What a benchmark needs here is missing (a service binary, CUDA) or a service did
+    not become ready: `hicache bench` exits 2, "cannot run here"."""
 
 
 @contextlib.contextmanager

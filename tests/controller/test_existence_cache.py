@@ -218,3 +218,28 @@ def test_a_corrupt_object_the_read_removed_is_not_marked_absent(make) -> None:  
     evict_all(a, Tier.DEVICE, Tier.HOST)
     again = a.match("e1", MatchRequest("", tokens))
     assert again.host_tokens + again.storage_tokens == 4 * a.cfg.model.page_size
+
+
+def test_with_a_present_ttl_a_key_known_present_is_asked_again_once_it_is_that_old() -> None:
+    """A store whose objects expire (Redis `ttl_s`): what was known present may be gone."""
+    clock = Clock()
+    cache = ExistenceCache(clock=clock, present_ttl_s=5.0)
+    ks = keys(3)
+    cache.add_present(ks[:2])
+    clock.now += 3
+    cache.add_present(ks[2:])  # known later
+    assert cache.known_run(ks) == (3, False)
+    clock.now += 2.5  # ks[0], ks[1] 5.5 s old, ks[2] 2.5 s
+    assert cache.known_run(ks) == (0, False)
+    assert cache.known_run(ks[2:]) == (1, False)
+    cache.add_present(ks[:2])  # seen present again: known anew
+    assert cache.known_run(ks) == (3, False)
+
+
+def test_clear_forgets_present_and_absent_keys() -> None:
+    cache = ExistenceCache()
+    ks = keys(2)
+    cache.add_present(ks[:1])
+    cache.add_absent(ks[1])
+    cache.clear()
+    assert cache.known_run(ks) == (0, False)

@@ -94,6 +94,30 @@ def test_a_probe_taken_and_given_back_is_there_for_the_next_call() -> None:
     assert not breaker.is_open
 
 
+def test_on_trip_listeners_run_once_each_time_the_breaker_opens() -> None:
+    """The L3 store clears its existence cache there: a store that went down may come back
+    without what it held."""
+    from hicache.controller.workers import CircuitBreaker
+
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=2, cooldown_s=1.0, clock=lambda: now[0])
+    trips: list[int] = []
+    breaker.on_trip.append(lambda: trips.append(breaker.trips))
+    breaker.failure()
+    assert trips == []  # one failure: still closed
+    breaker.failure()
+    breaker.failure()  # open already: no second call
+    assert trips == [1]
+    now[0] = 2.0
+    assert breaker.allow()  # the half-open probe ...
+    breaker.failure()  # ... fails: still the same outage, no new trip
+    assert trips == [1]
+    breaker.success()  # the store is back
+    breaker.failure()
+    breaker.failure()  # a new outage
+    assert trips == [1, 2] and breaker.trips == 2
+
+
 def test_a_flood_of_give_ups_is_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
     """While the L3 breaker is open every insert's backup is given up at once: one warning
     each would flood the log at the insert rate. The give-ups are all counted still."""

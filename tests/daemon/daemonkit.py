@@ -24,8 +24,16 @@ TINY = (
     "server.max_tokens_per_request=8192",
     "metrics.port=0",
 )
-
-
+# A hybrid model with every component and a sidecar anchored on each (page 4).
+FULL_SWA_MAMBA = (
+    "model.page_size=4",
+    "model.components={full: {layers: 2, bytes_per_token_per_layer: 8},"
+    " swa: {layers: 3, bytes_per_token_per_layer: 4, window_tokens: 8},"
+    " mamba: {layers: 2, state_bytes_per_layer: 64}}",
+    "model.sidecars={idx: {anchor: full, layers: 1, bytes_per_token_per_layer: 2},"
+    " swaside: {anchor: swa, layers: 2, bytes_per_token_per_layer: 4},"
+    " conv: {anchor: mamba, layers: 1, state_bytes_per_layer: 32}}",
+)
 
 
 def tokens(n: int, start: int = 1) -> bytes:

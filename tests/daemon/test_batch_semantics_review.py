@@ -451,11 +451,7 @@ def test_engines_giving_up_on_batches_at_random_hold_nothing(bd: Daemon) -> None
         except BaseException as e:  # (reported by the main thread)
             failures.append((k, repr(e)))
 
-    threads = [threading.Thread(target=engine, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_engines(engine, 4)
     assert failures == []
     assert gave_up[0] > 0  # deadlines did pass
     with bd.client() as probe:
@@ -493,6 +489,15 @@ def test_a_batch_reply_arriving_after_the_deadline_leaves_nothing_held(
             assert held(c) == (0, 0)  # observed: (1, 1) until the engine goes
     finally:
         proxy.close()
+
+
+def run_engines(engine: Callable[[int], None], n: int) -> None:
+    """`engine(k)` for k in 0..n-1, each on its own thread, until all are done."""
+    threads = [threading.Thread(target=engine, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def pb_grpc_stub(channel: grpc.Channel):  # type: ignore[no-untyped-def]
@@ -798,11 +803,7 @@ def test_engines_batching_overlapping_prefixes_at_once_stay_byte_exact(
 
     with d.client() as probe:
         lookups = probe.stats().counters["lookups"]
-        threads = [threading.Thread(target=engine, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_engines(engine, 4)
         assert failures == []
         assert sum(answered) > 0
         assert probe.stats().counters["lookups"] - lookups == sum(answered)

@@ -20,7 +20,7 @@ import pytest
 from hicache.client import Attachment, Client
 from hicache.controller.base import MatchOutcome, PrefetchState
 
-from .daemonkit import Daemon
+from .daemonkit import FULL_SWA_MAMBA, Daemon
 
 PS = 4  # model.page_size of every daemon here
 PB = PS * 4  # bytes of token ids per page
@@ -31,15 +31,6 @@ FULL_SWA = (
     " swa: {layers: 3, bytes_per_token_per_layer: 4, window_tokens: 8}}",
     "model.sidecars={idx: {anchor: full, layers: 1, bytes_per_token_per_layer: 2},"
     " swaside: {anchor: swa, layers: 2, bytes_per_token_per_layer: 4}}",
-)
-FULL_SWA_MAMBA = (
-    "model.page_size=4",
-    "model.components={full: {layers: 2, bytes_per_token_per_layer: 8},"
-    " swa: {layers: 3, bytes_per_token_per_layer: 4, window_tokens: 8},"
-    " mamba: {layers: 2, state_bytes_per_layer: 64}}",
-    "model.sidecars={idx: {anchor: full, layers: 1, bytes_per_token_per_layer: 2},"
-    " swaside: {anchor: swa, layers: 2, bytes_per_token_per_layer: 4},"
-    " conv: {anchor: mamba, layers: 1, state_bytes_per_layer: 32}}",
 )
 GEOMETRIES = {"full+swa": FULL_SWA, "full+swa+mamba": FULL_SWA_MAMBA}
 # 16 L1 pages per paged pool, 8 MAMBA slots; L2 twice that.

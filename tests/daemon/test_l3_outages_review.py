@@ -84,6 +84,20 @@ def load_and_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
     return reused
 
 
+def prefetch_load_and_verify(
+    c: Client, oracle: KvOracle, prompt: bytes, *, all_in_l3: bool = True
+) -> None:
+    """Prefetch `prompt` (every page in L3 when `all_in_l3`) to DONE, then load and verify
+    it whole; the oracle has checked pages and found no wrong byte."""
+    with c.matched(prompt, prefetch=True) as m:
+        assert m.prefetch_id
+        if all_in_l3:
+            assert m.storage_tokens == PAGES * PAGE
+        assert wait_prefetch(c, m.prefetch_id) is PrefetchState.DONE
+    assert load_and_verify(c, oracle, prompt) == PAGES * PAGE
+    assert oracle.wrong_bytes == 0 and oracle.pages_checked > 0
+
+
 def breaker_tripped(c: Client, prompt: bytes) -> bool:
     """Lookups of a prompt nobody has (each asks L3) until the circuit breaker opened."""
     c.match(prompt)
@@ -166,11 +180,7 @@ def test_redis_killed_mid_workload_then_restarted_empty(
 
     with other.client() as r:
         _, reader = attach(r)
-        with r.matched(during, prefetch=True) as m:
-            assert m.storage_tokens == PAGES * PAGE and m.prefetch_id
-            assert wait_prefetch(r, m.prefetch_id) is PrefetchState.DONE
-        assert load_and_verify(r, reader, during) == PAGES * PAGE
-        assert reader.wrong_bytes == 0 and reader.pages_checked > 0
+        prefetch_load_and_verify(r, reader, during)
 
 
 def stored_by_another(
@@ -247,11 +257,7 @@ def test_a_prefetch_whose_store_hangs_fails_and_its_l2_pages_come_back_once_it_a
             os.kill(redis.pid, signal.SIGCONT)
         wait_for(lambda: host_used(c) == 0, 15, "the prefetch's L2 pages back")
         wait_for(lambda: deep_health_rc(d) == 0, 30, "health --deep 0 again")
-        with c.matched(prompt, prefetch=True) as m:
-            assert m.prefetch_id
-            assert wait_prefetch(c, m.prefetch_id) is PrefetchState.DONE
-        assert load_and_verify(c, oracle, prompt) == PAGES * PAGE
-        assert oracle.wrong_bytes == 0 and oracle.pages_checked > 0
+        prefetch_load_and_verify(c, oracle, prompt, all_in_l3=False)
 
 
 # --------------------------------------------------------------------------- SIGTERM
@@ -371,11 +377,7 @@ def test_a_file_root_removed_or_replaced_under_a_writing_daemon(
     with second.client() as r:
         _, reader = attach(r)
         for prompt in (removed, replaced):
-            with r.matched(prompt, prefetch=True) as m:
-                assert m.storage_tokens == PAGES * PAGE and m.prefetch_id
-                assert wait_prefetch(r, m.prefetch_id) is PrefetchState.DONE
-            assert load_and_verify(r, reader, prompt) == PAGES * PAGE
-        assert reader.wrong_bytes == 0 and reader.pages_checked > 0
+            prefetch_load_and_verify(r, reader, prompt)
 
 
 @pytest.mark.timeout(120)
@@ -449,9 +451,5 @@ def test_mooncake_master_killed_and_restarted_under_a_daemon(
     second = make_daemon(*sets, listen=f"unix://{tmp_path}/b.sock")
     with second.client() as r:
         _, reader = attach(r)
-        with r.matched(after, prefetch=True) as m:
-            assert m.storage_tokens == PAGES * PAGE and m.prefetch_id
-            assert wait_prefetch(r, m.prefetch_id) is PrefetchState.DONE
-        assert load_and_verify(r, reader, after) == PAGES * PAGE
-        assert reader.wrong_bytes == 0 and reader.pages_checked > 0
+        prefetch_load_and_verify(r, reader, after)
     assert d.proc is not None and d.proc.poll() is None

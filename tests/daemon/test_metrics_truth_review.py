@@ -32,7 +32,7 @@ from hicache.errors import (
     Unauthenticated,
 )
 
-from .daemonkit import PAGE, Daemon, free_port, scrape, tokens
+from .daemonkit import FULL_SWA_MAMBA, PAGE, Daemon, free_port, scrape, tokens
 
 MakeDaemon = Callable[..., Daemon]
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -543,13 +543,7 @@ def test_a_lapsed_lease_is_counted_once_and_what_it_held_leaves_the_pool_gauges(
 # --------------------------------------------------------------------------- hybrid models
 
 HYBRID = (
-    "model.page_size=4",
-    "model.components={full: {layers: 2, bytes_per_token_per_layer: 8},"
-    " swa: {layers: 3, bytes_per_token_per_layer: 4, window_tokens: 8},"
-    " mamba: {layers: 2, state_bytes_per_layer: 64}}",
-    "model.sidecars={idx: {anchor: full, layers: 1, bytes_per_token_per_layer: 2},"
-    " swaside: {anchor: swa, layers: 2, bytes_per_token_per_layer: 4},"
-    " conv: {anchor: mamba, layers: 1, state_bytes_per_layer: 32}}",
+    *FULL_SWA_MAMBA,
     "tiers.l1.tokens=64",
     "tiers.l1.mamba_slots=8",
 )
