@@ -54,7 +54,10 @@ def describe(cfg: HicacheConfig) -> str:
     plain = to_plain(cfg)
     for entry in plain["server"]["tokens"]:  # (what config check prints may end up in logs)
         entry["token"] = "(hidden)"
-    plain["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)  # (its password)
+    # (URLs that may hold a password)
+    plain["storage"]["redis"]["url"] = redact_url(cfg.storage.redis.url)
+    if cfg.storage.mooncake.metadata_server is not None:
+        plain["storage"]["mooncake"]["metadata_server"] = redact_url(cfg.storage.mooncake.metadata_server)
     lines = [yaml.safe_dump(plain, sort_keys=False).rstrip(), "", "# derived"]
     l1 = cfg.l1_pages
     l2 = cfg.l2_pages(l1)

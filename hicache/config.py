@@ -484,9 +484,24 @@ class ServerConfig:
                 f"{MAX_TOKENS_PER_REQUEST} (gRPC messages are limited to 2 GiB, 4 bytes a token)"
             )
 
+    def tcp_listeners(self) -> list[tuple[str, str, int]]:
+        """(key, host, port) of each TCP address the server listens on."""
+        out = []
+        for key in ("listen", "probe_listen"):
+            address = getattr(self, key)
+            if address is not None and not address.startswith("unix://"):
+                host_port = split_host_port(address)
+                if host_port is not None:  # (validated already)
+                    out.append((f"server.{key}", *host_port))
+        return out
+
     @property
     def socket_mode_bits(self) -> int:
         return int(self.socket_mode, 8)
+
+
+# Host parts that bind every address: such a listener collides with any on its port.
+_ANY_HOST = frozenset({"0.0.0.0", "::", "[::]", ""})
 
 
 @dataclass(frozen=True)
@@ -513,6 +528,7 @@ class HicacheConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def _validate(self, path: str) -> None:
+        self._check_ports()
         if self.tiers.l2.layout is HostLayout.LAYER_FIRST and self.storage.backend is not StorageBackendName.NONE:
             raise ConfigError(
                 "tiers.l2.layout: layer_first cannot serve an L3 backend (objects are whole "
@@ -613,6 +629,18 @@ class HicacheConfig:
             return self.tiers.l1.mamba_slots
         return self.l1_pages
 
+    def _check_ports(self) -> None:
+        """Two listeners on one port: the second cannot bind, and the daemon would find out
+        only once its pools are built. The metrics server binds every address (0.0.0.0)."""
+        listeners = self.server.tcp_listeners()
+        if self.metrics.port:
+            listeners.append(("metrics.port", "0.0.0.0", self.metrics.port))
+        for i, (key, host, port) in enumerate(listeners):
+            for other, other_host, other_port in listeners[:i]:
+                if port == other_port and (host == other_host or {host, other_host} & _ANY_HOST):
+                    raise ConfigError(f"{key}: port {port} is also {other}'s: give each "
+                                      "listener its own port")
+
     def l2_pages_for(self, kind: ComponentKind) -> int:
         """L2 pool size (in pages or slots) of a component: MAMBA's slots are `ratio` x
         L1's slots, or (with `size_gb`) as many as a token pool's pages."""
@@ -669,8 +697,16 @@ def load_config(
     raw = parse_yaml(text, source)
     for item in overrides:
         apply_override(raw, item)
-    apply_env(raw, os.environ if env is None else env)
-    return build_config(raw)
+    from_env = apply_env(raw, os.environ if env is None else env)
+    try:
+        return build_config(raw)
+    except ConfigError as e:
+        # A value the environment supplied is named by its variable too: the file the
+        # operator reads shows nothing (or null) at that key.
+        for key, var in from_env.items():
+            if str(e).startswith(f"{key}:"):
+                raise ConfigError(f"{e} (the value came from {var})") from None
+        raise
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -722,6 +758,31 @@ class _StrictLoader(yaml.SafeLoader):
                     )
                 seen.add(key)
         super().flatten_mapping(node)  # type: ignore[no-untyped-call]
+
+
+# YAML 1.2 reads `1e3` and `1.5E-3` as numbers; PyYAML's 1.1 rules need a dot and a signed
+# exponent (`1.0e+3`) and read the rest as strings, which a number key then refuses.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _plain_leaf(parts: typing.Sequence[str]) -> bool:
+    """Whether `parts` (a dotted key, split) name a setting of the schema that is neither a
+    section nor secret."""
+    tp: Any = HicacheConfig
+    for part in parts:
+        if not (dataclasses.is_dataclass(tp) and isinstance(tp, type)):
+            return False
+        fields = {f.name for f in dataclasses.fields(tp)}
+        if part not in fields:
+            return False
+        hint = typing.get_type_hints(tp)[part]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        tp = args[0] if _optional(hint) and len(args) == 1 else hint
+    return not dataclasses.is_dataclass(tp) and not _may_hold_secret(".".join(parts))
 
 
 @functools.cache
@@ -785,15 +846,18 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     try:  # (the file's loader: a duplicate key is refused here too)
         node[parts[-1]] = _load_yaml(value) if value.strip() else ""
     except yaml.YAMLError as e:
-        shown = "(value hidden)" if _may_hold_secret(key) else repr(value)
+        # Shown only under a known, non-secret key: a mistyped secret key (server.token,
+        # storage.redis.URL) may hold a secret as well.
+        shown = repr(value) if _plain_leaf(parts) else "(value hidden)"
         raise ConfigError(f"--set {one_line(key)}: value {shown} is not valid YAML: "
                           f"{_yaml_problem(e)}") from None
 
 
-def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
-    """Fill Mooncake settings from the standard environment variables; YAML wins."""
+def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Fill Mooncake settings from the standard environment variables; YAML wins. Returns
+    the keys filled (dotted path -> variable)."""
     if not any(v in env for v in MOONCAKE_ENV.values()):
-        return
+        return {}
     storage = raw.get("storage")
     if storage is None:  # (an empty `storage:` means the defaults)
         storage = raw["storage"] = {}
@@ -804,15 +868,19 @@ def apply_env(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         section = storage["mooncake"] = {}
     if not isinstance(section, dict):
         raise ConfigError(f"storage.mooncake: expected a mapping, got {_brief(section)}")
+    filled: dict[str, str] = {}
     for key, var in MOONCAKE_ENV.items():
         if var in env and section.get(key) in (None, ""):
             value: Any = env[var]
             if key == "global_segment_size":
-                try:
-                    value = int(value)
-                except ValueError:
-                    raise ConfigError(f"{var}: {_brief(value)} is not an integer byte count") from None
+                # ASCII digits only, as for ports: int() also takes other scripts' digits.
+                if not re.fullmatch(r"[0-9]+", value.strip()):
+                    raise ConfigError(f"{var}: {_brief(value)} is not an integer byte count "
+                                      "(ASCII digits)")
+                value = int(value)
             section[key] = value
+            filled[f"storage.mooncake.{key}"] = var
+    return filled
 
 
 def build_config(raw: Mapping[str, Any]) -> HicacheConfig:
@@ -1010,19 +1078,21 @@ def _brief(value: object) -> str:
     return _SHOWN.repr(value)
 
 
-# Keys whose values are never printed: the bearer tokens, and the Redis URL (it may hold a
-# password). A configuration error goes to stderr, which systemd sends to the journal.
-SECRET_KEYS = ("server.tokens", "storage.redis.url")
+# Keys whose values are never printed: the bearer tokens, and the URLs that may hold a
+# password (Redis's; the Mooncake metadata server's, an HTTP or etcd URL). A configuration
+# error goes to stderr, which systemd sends to the journal.
+SECRET_KEYS = ("server.tokens", "storage.redis.url", "storage.mooncake.metadata_server")
 
 
 def redact_url(url: str) -> str:
-    """The URL without its credentials: `user:password@`, and a `password=` (or
-    `username=`) query parameter, which redis-py takes too."""
+    """The URL without its credentials: everything before its last `@` (`user:password@`:
+    a password may hold `?`, `#` or `/`, so no other delimiter is trusted first), and a
+    `password=` (or `username=`) query parameter, which redis-py takes too."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    rest, q, query = rest.partition("?")
-    _, at, host = rest.rpartition("@")
+    _, at, rest = rest.rpartition("@")
+    host, q, query = rest.partition("?")
     if q:
         params = [p if urllib.parse.unquote(p.split("=", 1)[0]).lower()
                   not in ("password", "username") else f"{p.split('=', 1)[0]}=***"
@@ -1050,7 +1120,11 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
         mark = e.problem_mark or e.context_mark
         what = "; ".join(str(x) for x in (e.context, e.problem) if x) or type(e).__name__
         return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark else what
-    return type(e).__name__
+    if isinstance(e, yaml.reader.ReaderError):  # a byte or character YAML does not allow
+        what = (f"character {e.character!r}" if isinstance(e.character, str)
+                else f"byte 0x{e.character:02x}")
+        return f"{what} at position {e.position}: {e.reason}"
+    return str(e) or type(e).__name__
 
 
 def _positive(value: float, path: str) -> None:

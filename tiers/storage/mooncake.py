@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.config import MooncakeStorageConfig
+from hicache.config import MooncakeStorageConfig, redact_url
 from hicache.endpoint import split_host_port
 from hicache.errors import BackendUnavailable, InvalidArgument
 from hicache.tiers.storage.base import MISSING, PutStatus, StorageBackend
@@ -94,7 +94,7 @@ class MooncakeBackend(StorageBackend):
             "L3 mooncake backend: master=%s metadata_server=%s protocol=%s device=%r "
             "local_hostname=%s global_segment_size=%d local_buffer_size=%d timeout_s=%g",
             c.master,
-            c.metadata_server,
+            redact_url(c.metadata_server or "") or None,  # (it may hold a password)
             c.protocol,
             c.device,
             c.local_hostname,
@@ -131,9 +131,11 @@ class MooncakeBackend(StorageBackend):
                 port = url.port or (443 if url.scheme == "https" else 80)
             except ValueError as e:  # a port that is no number, or out of range
                 raise BackendUnavailable(
-                    f"mooncake: the metadata server {c.metadata_server} is not a valid URL ({e})"
+                    f"mooncake: the metadata server {redact_url(c.metadata_server or '')} is not "
+                    f"a valid URL ({e})"
                 ) from None
-            targets.append(("metadata server", c.metadata_server, (url.hostname or "", port)))
+            targets.append(("metadata server", redact_url(c.metadata_server or ""),
+                            (url.hostname or "", port)))
         for what, shown, address in targets:
             if address is None or not address[0]:
                 continue  # (a form this check cannot read: setup decides)
