@@ -215,8 +215,8 @@ class HybridCacheController(CacheService):
                             locks, allocs)
         return AttachInfo(
             page_size=self._ps,
-            members=self.cfg.model.members,
-            pools=self.device.descriptors(),
+            members=self.cfg.model.rank_members,
+            pools=self.device.descriptors(tp_rank),
             lease_ms=self.cfg.server.lease_ms,
         )
 
@@ -437,16 +437,13 @@ class HybridCacheController(CacheService):
     def _allocate_family(self, n: int, with_slot: bool) -> tuple[dict[ComponentKind, np.ndarray], int | None]:
         """`n` L1 pages of every paged kind (and a MAMBA slot): all of them or, raising,
         none (pages taken for earlier kinds are freed)."""
-        got: dict[ComponentKind, np.ndarray] = {}
-        try:
-            for kind in self._paged:
-                got[kind] = self.transfers.allocate_l1(kind, n)
-            slot = int(self.transfers.allocate_l1(MAMBA, 1)[0]) if with_slot else None
-        except BaseException:
-            for kind, ids in got.items():
-                self.transfers.free_l1(kind, ids)
-            raise
-        return got, slot
+        need = dict.fromkeys(self._paged, n)
+        if with_slot:
+            need[MAMBA] = 1
+        got = self.transfers.allocate_l1_all(need)
+        slot = int(got.pop(MAMBA)[0]) if with_slot else None
+        return {kind: got[kind] if kind in got else np.empty(0, dtype=np.int64)
+                for kind in self._paged}, slot
 
     def _new_allocation(self, engine_id: str, namespace: str, tokens: int,
                         start: Callable[[], tuple[int, np.ndarray | None]],
@@ -763,7 +760,11 @@ class HybridCacheController(CacheService):
     def stats(self) -> StatsSnapshot:
         pools: list[PoolUsage] = []
         with self._mu:
-            held = self._engines.held_pages()  # (in L1: not evictable, like locked pages)
+            # In L1, pages held by allocations and by running loads are not evictable:
+            # counted as locked.
+            held = self._engines.held_pages()
+            loading = {kind: sum(len(ids) for ids in self.transfers.loading_pages(kind))
+                       for kind in self._kinds}
             for tier, pools_obj in ((Tier.DEVICE, self.device), (Tier.HOST, self.host)):
                 for member in self.cfg.model.members:
                     kind = member.component
@@ -772,7 +773,7 @@ class HybridCacheController(CacheService):
                         tier=tier.name.lower(), member=member.name, capacity_pages=alloc.total,
                         used_pages=alloc.total - alloc.free_count,
                         locked_pages=self.tree.locked_pages(tier, kind)
-                        + (held[kind] if tier is Tier.DEVICE else 0),
+                        + (held[kind] + loading[kind] if tier is Tier.DEVICE else 0),
                     ))
             counters = dict(self.counters)
             counters.update(self.transfers.counters())

@@ -43,6 +43,7 @@ _failed = ThrottledLog(log)  # a broken copy engine fails every backup: one reco
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 MAX_UNCOPIED = 4096  # write_through nodes remembered as not copied for lack of room
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
+LOAD_WAIT_S = 2.0  # longest a load waits for another load copying the same slots
 # A pool short of room evicts this share of its pages beyond what the allocation needs
 # (16 of the default 1,024): one tree eviction and one free per that many pages rather
 # than per request. Pools of under 64 pages evict exactly what they need.
@@ -59,7 +60,7 @@ LOAD_THREADS = 4  # loads copying at once (more wait for a thread, streaming not
 L1Move = tuple[object, ComponentKind, np.ndarray, np.ndarray]  # node, kind, L2 pages, L1 pages
 
 
-@dataclass
+@dataclass(eq=False)  # (held in a set: by identity)
 class LoadOp:
     """Host -> device copies of one lock's path, with per-layer progress."""
 
@@ -176,6 +177,7 @@ class Transfers:
         # Notified whenever a copy lands or held host pages are released: an allocation
         # short of room waits on it (releasing the mutex) rather than failing at once.
         self.landed = threading.Condition(ctl._mu)
+        self._loads: set[LoadOp] = set()  # running loads (`plan_load` to `run_load`'s end)
         self._evicting = 0  # inside a tree eviction callback: never wait there
 
     def start(self) -> None:
@@ -218,6 +220,43 @@ class Transfers:
         allocation waits for that (back-pressure, bounded). ResourceExhausted when locked
         pages leave no room."""
         return self._allocate(Tier.DEVICE, kind, n)
+
+    def allocate_l1_all(self, need: Mapping[ComponentKind, int]) -> dict[ComponentKind, np.ndarray]:
+        """`need[kind]` L1 pages of each kind: all of them, or ResourceExhausted with none
+        taken and, when some kind cannot fit whatever is evicted, nothing evicted either
+        (evicting for one kind first, then failing on another, would empty the cache for
+        nothing). A kind short only of pages pinned by queued copies waits for them."""
+        need = {kind: n for kind, n in need.items() if n}
+        allocators = self._allocators[Tier.DEVICE]
+        if all(allocators[kind].free_count >= n for kind, n in need.items()):
+            return {kind: allocators[kind].allocate(n) for kind, n in need.items()}
+        deadline = time.monotonic() + BACKPRESSURE_S
+        while True:
+            short = [(kind, n) for kind, n in need.items() if n > self._reachable(Tier.DEVICE, kind)]
+            if not short:
+                break
+            left = deadline - time.monotonic()
+            kind, n = short[0]
+            if n > allocators[kind].total:  # (no eviction and no copy can make room)
+                raise ResourceExhausted(f"L1 {kind.value}: {n} pages needed, the pool has "
+                                        f"{allocators[kind].total}")
+            if not self._queued_l2 or self._evicting or left <= 0:
+                raise ResourceExhausted(
+                    f"L1 {kind.value}: {n} pages needed, {allocators[kind].free_count} free and "
+                    "the rest locked or held by allocations"
+                )
+            self.stats["allocation_waits"] += 1
+            self._schedule_l2_flush(urgent=True)
+            self.landed.wait(min(left, 0.05))
+        got: dict[ComponentKind, np.ndarray] = {}
+        try:
+            for kind, n in need.items():
+                got[kind] = self._allocate(Tier.DEVICE, kind, n)
+        except BaseException:
+            for kind, ids in got.items():
+                self.free_l1(kind, ids)
+            raise
+        return got
 
     def allocate_l2(self, kind: ComponentKind, n: int, wait: bool = True) -> np.ndarray:
         """`n` L2 pages of `kind`, evicting to make room; with `wait=False` never waiting
@@ -848,20 +887,39 @@ class Transfers:
     # ------------------------------------------------------------------ load
 
     def plan_load(self, lock: TreeLock) -> LoadOp:
-        """Reserve L1 pages for every slot of the lock's path that only L2 holds."""
-        wanted = self._wanted_in_l1(self.tree.lock_path(lock))
-        # One allocation per component for the whole load: a load that cannot fit fails
-        # before evicting anything (node by node, each part fitted and evicted first).
-        got: dict[ComponentKind, np.ndarray] = {}
-        try:
-            for kind, n in _pages_needed(wanted).items():
-                got[kind] = self.allocate_l1(kind, n)
-        except ResourceExhausted:
-            for kind, dev in got.items():
-                self.free_l1(kind, dev)
-            raise
+        """Caller holds the mutex. Reserve L1 pages for every slot of the lock's path that
+        only L2 holds. Slots another load is copying are waited for (with the mutex
+        released, at most LOAD_WAIT_S), not copied twice: two engines loading one path
+        evict for one copy. The op stays registered until `run_load` lands or frees it."""
+        deadline = time.monotonic() + LOAD_WAIT_S
+        while True:
+            wanted = self._wanted_in_l1(self.tree.lock_path(lock))
+            copying = {(id(node), kind) for op in self._loads for node, kind, _, _ in op.moves}
+            left = deadline - time.monotonic()
+            if left <= 0 or not any((id(node), kind) in copying for node, kind, _ in wanted):
+                break
+            self.landed.wait(min(left, 0.05))
+            if not lock.active:
+                raise NotFound("the lock was released while its load waited for another "
+                               "load of the same pages")
+        # One allocation for the whole load: a load that cannot fit fails before evicting
+        # anything (node by node, each part fitted and evicted first).
+        got = self.allocate_l1_all(_pages_needed(wanted))
         layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
-        return LoadOp(_moves_into(wanted, got), layers)
+        op = LoadOp(_moves_into(wanted, got), layers)
+        if op.moves:
+            self._loads.add(op)
+        return op
+
+    def loading_pages(self, kind: ComponentKind) -> list[np.ndarray]:
+        """Caller holds the mutex. The L1 pages of `kind` running loads copy into (not
+        evictable, owned by the load until it lands)."""
+        return [dev for op in self._loads for _, k, _, dev in op.moves if k is kind]
+
+    def _end_load(self, op: LoadOp) -> None:
+        """Caller holds the mutex. The op landed or freed its pages."""
+        self._loads.discard(op)
+        self.landed.notify_all()
 
     def plan_to_free_l1(self, nodes: list[object]) -> list[L1Move] | None:
         """Caller holds the mutex. Like `plan_load` for `nodes` (root first), but only
@@ -936,10 +994,12 @@ class Transfers:
             if op.error is not None:
                 for _, kind, _, dev in op.moves:
                     self.free_l1(kind, dev)
+                self._end_load(op)
                 if abandoned:
                     return
                 raise op.error
             self.stats["loaded_pages"] += self.land_in_l1(op.moves)
+            self._end_load(op)
             if abandoned:
                 return  # the copy is kept; the lock (maybe released by now) is not touched
             if not lock.active:  # released (or its engine's lease lapsed) during the copy
@@ -1050,6 +1110,7 @@ class Transfers:
                         if kind is MAMBA and rec.mamba_slot is not None:
                             owned.append(np.array([rec.mamba_slot]))
                     owned.extend(self.ctl.prefetcher.reserved_l1(kind))
+                    owned.extend(self.loading_pages(kind))
                 else:
                     owned.extend(self._in_flight.get(kind, []))
                     owned.append(np.array(self._parked_l2.get(kind, []), dtype=np.int64))

@@ -592,16 +592,16 @@ def test_a_rank_attaching_as_another_process_releases_the_engines_handles(make) 
 def test_an_allocate_that_waited_through_an_engine_restart_gets_nothing(make) -> None:
     ctl = make(storage__backend="none")
     ctl.attach("e1", 0, 1, instance_id="first")
-    allocate_l1 = ctl.transfers.allocate_l1
+    allocate_l1_all = ctl.transfers.allocate_l1_all
 
-    def restart_meanwhile(kind, n):  # type: ignore[no-untyped-def]
+    def restart_meanwhile(need):  # type: ignore[no-untyped-def]
         # Allocating may wait for queued copies with the mutex free; the restarted
         # process attaches right then (another gRPC thread).
-        ctl.transfers.allocate_l1 = allocate_l1
+        ctl.transfers.allocate_l1_all = allocate_l1_all
         ctl.attach("e1", 0, 1, instance_id="second")
-        return allocate_l1(kind, n)
+        return allocate_l1_all(need)
 
-    ctl.transfers.allocate_l1 = restart_meanwhile
+    ctl.transfers.allocate_l1_all = restart_meanwhile
     with pytest.raises(NotFound, match="attached anew while this call waited"):
         ctl.allocate("e1", AllocateRequest("", 8))
     assert ctl.heartbeat("e1").allocations == 0  # not filed under the new process
