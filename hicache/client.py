@@ -383,14 +383,20 @@ class Client:
         info = convert.attach_from_pb(r)
         self._tp_rank = tp_rank
         self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id))
+        self._keep_lease(info)  # before mapping, which may outlast a short lease
         pools: dict[str, tuple[torch.Tensor, ...]] = {}
         if map_pools:
             from hicache.tiers.device import attach_device_pools
 
-            pools = attach_device_pools(info.pools)
+            pools = attach_device_pools(info.pools, info.members)
         # Only a process that maps (and writes) the pools waits for them: one that does not
         # (probes, benchmarks) never starts CUDA for it.
         self._cuda_devices = _cuda_devices(info.pools) if map_pools else ()
+        return Attachment(info=info, pools=pools)
+
+    def _keep_lease(self, info: AttachInfo) -> None:
+        """Heartbeat at a third of the lease the daemon gave (a new thread, or the running
+        one told the new interval)."""
         with self._heartbeat_mu:
             self._attaches += 1
             self.detached = None
@@ -401,7 +407,6 @@ class Client:
                 self._start_heartbeat()
             elif changed:
                 self._heartbeat_wake.set()
-        return Attachment(info=info, pools=pools)
 
     def heartbeat(self) -> HeartbeatInfo:
         self._settle_owed()

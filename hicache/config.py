@@ -169,7 +169,19 @@ class ModelConfig:
 
     @functools.cached_property
     def members(self) -> tuple[MemberSpec, ...]:
-        """Every pool of every family: each component, then its sidecars (sorted by name)."""
+        """Every pool of every family, as this daemon holds it: each component, then its
+        sidecars (sorted by name). With `tp_size` N a page's row holds all N ranks' shards
+        (rank r's at r x the shard's bytes): a page moves between tiers, and is stored in
+        L3, for the whole group at once."""
+        if self.tp_size == 1:
+            return self.rank_members
+        return tuple(dataclasses.replace(m, bytes_per_page_per_layer=m.bytes_per_page_per_layer * self.tp_size)
+                     for m in self.rank_members)
+
+    @functools.cached_property
+    def rank_members(self) -> tuple[MemberSpec, ...]:
+        """`members` as one tensor-parallel rank sees them (its shard of each row): the
+        geometry an engine's rank attaches to (the configured bytes are per rank)."""
         out: list[MemberSpec] = []
         for kind in self.component_kinds:
             comp = self.components[kind]
@@ -210,7 +222,9 @@ class ModelConfig:
             f"{m.name}={m.component.value}:{m.layers}x{m.bytes_per_page_per_layer}w{m.window_tokens}"
             for m in self.members
         )
-        return f"page{self.page_size};{pools}"
+        # (tp 1 adds nothing: the seeds of existing L3 objects stay as they were)
+        tp = f";tp{self.tp_size}" if self.tp_size > 1 else ""
+        return f"page{self.page_size};{pools}{tp}"
 
     def chain_seed(self, namespace: str) -> PageHash:
         """The page-hash chain's seed for `namespace` (`keys.chain_seed` of this model's

@@ -375,3 +375,18 @@ def test_a_named_file_that_cannot_be_read_is_one_error_naming_setting_and_path(t
         with pytest.raises(FailedPrecondition, match=f"server.tls_key=.*cannot read it.*{why}") as e:
             read_named_file(str(path), "server.tls_key", FailedPrecondition)
         assert len(str(e.value).splitlines()) == 1
+
+
+def test_tensor_parallel_rows_hold_every_ranks_shard() -> None:
+    one = load_config(None, ["model.tp_size=1"], env={})
+    two = load_config(None, ["model.tp_size=2"], env={})
+    assert two.model.rank_members == one.model.members == one.model.rank_members
+    assert [m.bytes_per_page_per_layer for m in two.model.members] == [
+        2 * m.bytes_per_page_per_layer for m in one.model.members]
+    # Daemons of different group sizes never share L3 objects; tp 1 keeps its old seed.
+    assert two.model.geometry.endswith(";tp2") and two.model.geometry != one.model.geometry
+    assert ";tp" not in one.model.geometry
+    # The same L1 bytes hold half as many of the group's rows.
+    gb = ["tiers.l1.size_gb=0.25"]
+    assert (2 * load_config(None, ["model.tp_size=2", *gb], env={}).l1_pages
+            == load_config(None, gb, env={}).l1_pages)

@@ -180,8 +180,10 @@ class DevicePools(MemberPools):
         """True when the pools live in GPU memory."""
 
     @abc.abstractmethod
-    def descriptors(self) -> tuple[PoolDescriptor, ...]:
-        """One descriptor per member, for the engine to map the pools. Mutates nothing."""
+    def descriptors(self, tp_rank: int = 0) -> tuple[PoolDescriptor, ...]:
+        """One descriptor per member, for the engine's rank `tp_rank` to map its shard of
+        the pools (`ModelConfig.members`: a row holds every rank's shard). Mutates
+        nothing."""
 
 
 class HostPools(MemberPools):

@@ -280,10 +280,12 @@ class ShmDevicePools(MemberTable, DevicePools):
         pages: Mapping[ComponentKind, int],
         shm_dir: Path = SHM_DIR,
         lock: InstanceLock | None = None,
+        tp_size: int = 1,
     ) -> None:
         MemberTable.__init__(self, members, pages, "l1")
         self._instance = instance
         self._lock = lock
+        self._tp_size = tp_size
         self._segments: dict[str, _Segment] = {}
         self._arrays: dict[str, np.ndarray] = {}
         try:
@@ -315,7 +317,7 @@ class ShmDevicePools(MemberTable, DevicePools):
                             "instance names: %s", len(swept), ", ".join(swept))
             members = cfg.model.members
             pages = {m.component: cfg.pages_for(m.component) for m in members}
-            return cls(instance, members, pages, shm_dir, lock)
+            return cls(instance, members, pages, shm_dir, lock, cfg.model.tp_size)
         except BaseException:
             lock.release()
             raise
@@ -340,8 +342,12 @@ class ShmDevicePools(MemberTable, DevicePools):
         if not self._segments:
             raise FailedPrecondition(f"L1 pools of instance {self._instance!r} are closed")
 
-    def descriptors(self) -> tuple[PoolDescriptor, ...]:
+    def descriptors(self, tp_rank: int = 0) -> tuple[PoolDescriptor, ...]:
+        """Rank `tp_rank`'s shard of each row starts `tp_rank` shards into it; the row's
+        stride stays the whole row's."""
         self._require_open()
+        if not 0 <= tp_rank < self._tp_size:
+            raise InvalidArgument(f"tp_rank {tp_rank}: the pools hold {self._tp_size} ranks' shards")
         out = []
         for spec in self.members:
             n = self.num_pages(spec.component)
@@ -355,6 +361,7 @@ class ShmDevicePools(MemberTable, DevicePools):
                     layer_stride_bytes=n * spec.bytes_per_page_per_layer,
                     page_stride_bytes=spec.bytes_per_page_per_layer,
                     layers=spec.layers,
+                    offset_bytes=tp_rank * (spec.bytes_per_page_per_layer // self._tp_size),
                     size_bytes=spec.layers * n * spec.bytes_per_page_per_layer,
                 )
             )
@@ -388,9 +395,13 @@ def build_device_pools(
 
 
 def attach_device_pools(
-    descriptors: Sequence[PoolDescriptor], shm_dir: Path = SHM_DIR
+    descriptors: Sequence[PoolDescriptor],
+    members: Sequence[MemberSpec] = (),
+    shm_dir: Path = SHM_DIR,
 ) -> dict[str, tuple[torch.Tensor, ...]]:
-    """Engine side: map every pool; member -> per-layer uint8 tensors ``[num_pages, page]``.
+    """Engine side: map every pool; member -> per-layer uint8 tensors ``[num_pages, page]``,
+    a page being the member's `bytes_per_page_per_layer` (from `members`, the attach's
+    geometry: a tensor-parallel rank's shard of a wider row) or else the page stride.
 
     SHM pools come back as CPU tensors over the shared mapping (the mapping lives as long
     as any of them); CUDA IPC pools as CUDA tensors over the opened IPC allocation.
@@ -398,6 +409,7 @@ def attach_device_pools(
     descriptor that does not fit its segment.
     """
     out: dict[str, tuple[torch.Tensor, ...]] = {}
+    widths = {m.name: m.bytes_per_page_per_layer for m in members}
     for desc in descriptors:
         if desc.kind is PoolKind.CUDA_IPC:
             from hicache.tiers.cuda import open_ipc_pool
@@ -407,15 +419,17 @@ def attach_device_pools(
         name = desc.handle.decode()
         if "/" in name or not name.startswith(SEGMENT_PREFIX):
             raise InvalidArgument(f"{desc.member}: {name!r} is not a hicache shm segment name")
-        end = desc.offset_bytes + desc.total_bytes
+        width = widths.get(desc.member, desc.page_stride_bytes)
+        if not 0 < width <= desc.page_stride_bytes:
+            raise InvalidArgument(f"{desc.member}: a page of {width} bytes in a stride of "
+                                  f"{desc.page_stride_bytes}")
+        # (the last byte the views reach: the last layer's last page's end)
+        end = (desc.offset_bytes + (desc.layers - 1) * desc.layer_stride_bytes
+               + (desc.num_pages - 1) * desc.page_stride_bytes + width)
         seg = _Segment(shm_dir / name, end, create=False)
-        flat = np.frombuffer(seg.map, dtype=np.uint8)
+        flat = torch.from_numpy(np.frombuffer(seg.map, dtype=np.uint8))
         out[desc.member] = tuple(
-            torch.from_numpy(
-                flat[start : start + desc.num_pages * desc.page_stride_bytes].reshape(
-                    desc.num_pages, desc.page_stride_bytes
-                )
-            )
+            flat.as_strided((desc.num_pages, width), (desc.page_stride_bytes, 1), start)
             for start in (
                 desc.offset_bytes + layer * desc.layer_stride_bytes for layer in range(desc.layers)
             )
