@@ -256,7 +256,7 @@ def test_every_file_under_deploy_is_parsed() -> None:
         seen.add(rel)
     assert seen == {
         "Dockerfile", "k8s/configmap.yaml", "k8s/daemonset.yaml", "k8s/mooncake-master.yaml",
-        "systemd/hicache.env", "systemd/hicache.service",
+        "k8s/networkpolicy.yaml", "systemd/hicache.env", "systemd/hicache.service",
     }
 
 
@@ -524,7 +524,7 @@ def test_env_file_documents_every_mooncake_variable() -> None:
 
 
 def test_dockerfile_base_libs_user_and_entrypoint() -> None:
-    assert dockerfile("FROM") == ["python:3.11-slim"]
+    assert dockerfile("FROM") == ["python:3.11-slim-bookworm"]
     apt = " ".join(a for a in dockerfile("RUN") if "apt-get install" in a).split()
     assert {"libibverbs1", "librdmacm1", "libnuma1", "libcurl4"} <= set(apt)  # Mooncake's
     (user,) = dockerfile("USER")
