@@ -37,6 +37,7 @@ from hicache.types import (
     ComponentKind,
     EvictionPolicy,
     HostLayout,
+    L1Device,
     PageHash,
     PrefetchPolicy,
     StorageBackendName,
@@ -255,6 +256,7 @@ class L1Config:
     tokens: int = 65536
     size_gb: float | None = None
     mamba_slots: int = 256
+    device: L1Device = L1Device.AUTO
 
     def _validate(self, path: str) -> None:
         _positive(self.tokens, f"{path}.tokens")

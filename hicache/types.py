@@ -45,6 +45,14 @@ class EvictionPolicy(enum.Enum):
     LFU = "lfu"
 
 
+class L1Device(enum.Enum):
+    """Where L1 lives: `auto` on the GPU when CUDA is available, else in shared memory."""
+
+    AUTO = "auto"
+    CUDA = "cuda"
+    SHM = "shm"
+
+
 class HostLayout(enum.Enum):
     AUTO = "auto"
     LAYER_FIRST = "layer_first"

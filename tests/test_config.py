@@ -75,7 +75,7 @@ def test_l2_size_gb_overrides_ratio() -> None:
     ("text", "fragment"),
     [
         # unknown key (names the path and the allowed keys)
-        ("tiers: {l1: {tokenz: 5}}", "tiers.l1.tokenz: unknown key; allowed: ['mamba_slots', 'size_gb', 'tokens']"),
+        ("tiers: {l1: {tokenz: 5}}", "tiers.l1.tokenz: unknown key; allowed: ['device', 'mamba_slots', 'size_gb', 'tokens']"),
         ("bogus: 1", "bogus: unknown key"),
         # wrong type
         ("model: {page_size: '64'}", "model.page_size: expected an integer, got '64' (str)"),

@@ -49,7 +49,9 @@ HICACHE = VENV_BIN / "hicache"
 POD_IP = "10.1.2.3"
 # The manifests size L1/L2 for Llama-3-8B on a GPU node (8 + 32 GiB) and lend 4 GiB to
 # Mooncake: shrunk here, nothing else changed.
-SHRINK = ["--set", "tiers.l1.tokens=4096", "--set", "storage.mooncake.local_buffer_size=16777216"]
+# (and the GPU nodes' CUDA L1 in shared memory: this machine has no GPU)
+SHRINK = ["--set", "tiers.l1.tokens=4096", "--set", "storage.mooncake.local_buffer_size=16777216",
+          "--set", "tiers.l1.device=shm"]
 SHRUNK_SEGMENT = str(64 << 20)
 ENGINE_UID = 20000
 OUTSIDER_UID = 20001

@@ -33,7 +33,7 @@ from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from hicache.tiers.base import DevicePools, PoolDescriptor, PoolKind
 from hicache.tiers.members import MemberTable
 from hicache.tiers.prefault import Prefaulter
-from hicache.types import ComponentKind
+from hicache.types import ComponentKind, L1Device
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +386,13 @@ def build_device_pools(
     daemon serves `instance`.
     """
     if use_cuda is None:
-        use_cuda = torch.cuda.is_available()
+        wanted = cfg.tiers.l1.device
+        if wanted is L1Device.CUDA and not torch.cuda.is_available():
+            # (a GPU node whose driver or device nodes the service cannot reach would
+            # otherwise serve a shared-memory L1 that no engine's GPU kernels can use)
+            raise FailedPrecondition("tiers.l1.device=cuda: CUDA is not available to this "
+                                     "process (driver, device nodes, CUDA_VISIBLE_DEVICES?)")
+        use_cuda = wanted is L1Device.CUDA or (wanted is L1Device.AUTO and torch.cuda.is_available())
     if use_cuda:
         from hicache.tiers.cuda import CudaDevicePools
 

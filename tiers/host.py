@@ -39,6 +39,7 @@ __all__ = [
     "SLOT_ALIGN",
     "HostBufferPools",
     "build_host_pools",
+    "cgroup_memory_left",
     "host_pages",
     "mem_available_bytes",
     "slot_bytes",
@@ -53,6 +54,56 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise FailedPrecondition(f"{meminfo}: no MemAvailable line")
+
+
+# A cgroup v1 "no limit" reads as a page-rounded 2^63: anything this large is none.
+_NO_LIMIT = 1 << 60
+
+
+def cgroup_memory_left(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                       root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process's memory cgroup may still charge (its limit less its usage), the
+    tightest on the way up to the root, from cgroup v2 or v1's memory controller; None
+    where no limit is set or readable. In a container, /proc/meminfo shows the node's
+    memory: a pool sized by it alone passes the check and is then OOM-killed."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:
+            base, limit_file, usage_file = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        here = base / path.lstrip("/")
+        while True:
+            left = _limit_left(here / limit_file, here / usage_file)
+            if left is not None:
+                best = left if best is None else min(best, left)
+            if here == base or base not in here.parents:
+                break
+            here = here.parent
+    return best
+
+
+def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
+    try:
+        limit_text = limit_file.read_text().strip()
+        if limit_text == "max":
+            return None
+        limit = int(limit_text)
+        if limit >= _NO_LIMIT:
+            return None
+        return max(0, limit - int(usage_file.read_text().strip()))
+    except (OSError, ValueError):
+        return None
 
 
 
@@ -230,14 +281,21 @@ def build_host_pools(
     members = cfg.model.members
     layout = cfg.host_layout
     needed = sum(round_up(pages[m.component] * slot_bytes(m, layout), _OS_PAGE) for m in members)
-    available = mem_available_bytes() if available_bytes is None else available_bytes
+    source = "MemAvailable"
+    if available_bytes is None:
+        available = mem_available_bytes()
+        in_cgroup = cgroup_memory_left()
+        if in_cgroup is not None and in_cgroup < available:
+            available, source = in_cgroup, "what the memory cgroup's limit leaves"
+    else:
+        available = available_bytes
     reserve = int(cfg.tiers.l2.reserve_gb * GiB)
     allowed = available - reserve
     if needed > allowed:
         raise ConfigError(
             f"tiers.l2: the host pools need {needed} bytes ({needed / GiB:.2f} GiB) but only "
             f"{max(allowed, 0)} bytes ({max(allowed, 0) / GiB:.2f} GiB) may be used "
-            f"(MemAvailable {available} bytes minus tiers.l2.reserve_gb {cfg.tiers.l2.reserve_gb}); "
+            f"({source}, {available} bytes, minus tiers.l2.reserve_gb {cfg.tiers.l2.reserve_gb}); "
             f"lower tiers.l2.ratio / tiers.l2.size_gb or the reserve"
         )
     if pin is None:

@@ -391,3 +391,26 @@ def test_cuda_pools_round_trip_through_ipc_in_another_process() -> None:
         assert torch.equal(pools.layer("full", 0)[5].cpu(), expected)
     finally:
         pools.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_l1_device_cuda_refuses_to_start_without_cuda_and_shm_or_auto_serve_from_shm(
+    tmp_path: Path,
+) -> None:
+    from hicache.tiers.device import build_device_pools
+    from hicache.types import L1Device
+
+    cfg = tiny_config()
+    for device in (L1Device.AUTO, L1Device.SHM):
+        chosen = dataclasses.replace(
+            cfg, tiers=dataclasses.replace(cfg.tiers, l1=dataclasses.replace(cfg.tiers.l1, device=device)))
+        pools = build_device_pools(chosen, f"dev_{device.value}", shm_dir=tmp_path)
+        try:
+            assert isinstance(pools, ShmDevicePools) and not pools.is_cuda
+        finally:
+            pools.close()
+    cuda = dataclasses.replace(
+        cfg, tiers=dataclasses.replace(cfg.tiers, l1=dataclasses.replace(cfg.tiers.l1, device=L1Device.CUDA)))
+    with pytest.raises(FailedPrecondition, match=r"tiers.l1.device=cuda: CUDA is not available"):
+        build_device_pools(cuda, "dev_cuda", shm_dir=tmp_path)
+    assert not [p for p in tmp_path.iterdir() if "dev_cuda" in p.name]

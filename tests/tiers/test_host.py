@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_refuses_to_start_when_ram_is_short() -> None:
     needed = 4096 * 3  # three members, each region rounded to one OS page
     message = (
         f"tiers.l2: the host pools need {needed} bytes (0.00 GiB) but only 0 bytes (0.00 GiB) "
-        f"may be used (MemAvailable {1 << 29} bytes minus tiers.l2.reserve_gb 1.0)"
+        f"may be used (MemAvailable, {1 << 29} bytes, minus tiers.l2.reserve_gb 1.0)"
     )
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_host_pools(cfg, pin=False, available_bytes=1 << 29)
@@ -129,3 +130,30 @@ def test_auto_layout_must_be_resolved_first() -> None:
     cfg = tiny_config()
     with pytest.raises(InvalidArgument, match="resolve layout 'auto'"):
         HostBufferPools(cfg.model.members, host_pages(cfg), HostLayout.AUTO)
+
+
+def test_the_memory_cgroup_limit_bounds_what_l2_may_use(tmp_path: Path) -> None:
+    """In a container /proc/meminfo is the node's: the cgroup's limit less its usage is
+    what the pools may take, the tightest level on the way up, v2 or v1."""
+    from hicache.tiers.host import cgroup_memory_left
+
+    def files(tree: dict[str, str]) -> None:
+        for rel, text in tree.items():
+            path = tmp_path / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+    files({"proc_v2": "0::/kubepods/pod1/ctr\n",
+           "cg/kubepods/memory.max": "max\n", "cg/kubepods/memory.current": "1\n",
+           "cg/kubepods/pod1/memory.max": str(10 << 30), "cg/kubepods/pod1/memory.current": str(3 << 30),
+           "cg/kubepods/pod1/ctr/memory.max": str(8 << 30), "cg/kubepods/pod1/ctr/memory.current": str(2 << 30)})
+    assert cgroup_memory_left(tmp_path / "proc_v2", tmp_path / "cg") == 6 << 30
+    files({"proc_v1": "5:cpu:/x\n4:memory,foo:/docker/abc\n",
+           "v1/memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
+           "v1/memory/docker/abc/memory.usage_in_bytes": str(1 << 30),
+           "v1/memory/docker/memory.limit_in_bytes": "9223372036854771712",  # (none)
+           "v1/memory/docker/memory.usage_in_bytes": "5"})
+    assert cgroup_memory_left(tmp_path / "proc_v1", tmp_path / "v1") == 3 << 30
+    files({"proc_none": "0::/\n", "none/memory.max": "max\n"})
+    assert cgroup_memory_left(tmp_path / "proc_none", tmp_path / "none") is None
+    assert cgroup_memory_left(tmp_path / "missing", tmp_path) is None
