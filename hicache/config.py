@@ -124,6 +124,8 @@ class ModelConfig:
         _positive(self.tp_size, f"{path}.tp_size")
         if not self.id:
             raise ConfigError(f"{path}.id: must be a non-empty string")
+        if not self.kv_dtype.strip():  # (part of every L3 key's seed, like the id)
+            raise ConfigError(f"{path}.kv_dtype: must be a non-empty string (e.g. bfloat16)")
         if ComponentKind.FULL not in self.components:
             raise ConfigError(
                 f"{path}.components: 'full' is required (got {sorted(k.value for k in self.components)})"

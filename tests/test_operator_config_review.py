@@ -285,3 +285,8 @@ def test_health_and_stats_with_a_bad_config_exit_2_naming_the_key(tmp_path: Path
         rc, out, err = run_cli([command, "--config", str(path), "--json"])
         assert rc == 2 and out == ""
         assert "server.listen: '127.0.0.1:99999' is neither unix:///path nor host:port" in err
+
+
+def test_an_empty_kv_dtype_is_refused_like_an_empty_model_id() -> None:
+    with pytest.raises(ConfigError, match=r"model.kv_dtype: must be a non-empty string"):
+        load_config(None, ["model.kv_dtype="], env={})
