@@ -484,7 +484,10 @@ class HybridCacheController(CacheService):
         self._check_count("num_tokens", req.num_tokens, 1)
         with self._mu:
             engine = self._engines.renew(engine_id)
-            # A handle sent as 0 is looked up (and refused): 0 is never a handle.
+            # A handle sent as 0 is looked up (and refused): 0 is never a handle. The lock
+            # a call names is checked whether it makes an allocation or grows one.
+            if req.lock_id is not None:
+                self._engines.lock(engine_id, req.lock_id, req.namespace)
             if req.allocation_id is not None:
                 held = self._engines.allocation(engine_id, req.allocation_id, req.namespace)  # (fail before waiting)
                 self._check_growth(req.allocation_id, held, req.num_tokens)
@@ -501,8 +504,6 @@ class HybridCacheController(CacheService):
                 for kind, ids in grown.items():
                     record.pages[kind] = np.concatenate([record.pages[kind], ids])
                 return AllocationInfo(req.allocation_id, self._allocation_pages(record))
-            if req.lock_id is not None:
-                self._engines.lock(engine_id, req.lock_id, req.namespace)
 
             def start() -> tuple[int, np.ndarray | None]:
                 if req.lock_id is None:

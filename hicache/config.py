@@ -518,8 +518,16 @@ class ServerConfig:
         return int(self.socket_mode, 8)
 
 
-# Host parts that bind every address: such a listener collides with any on its port.
-_ANY_HOST = frozenset({"0.0.0.0", "::", "[::]", ""})
+def _same_socket(host: str, other: str) -> bool:
+    """Whether listeners on these two hosts of one port collide: the same host, or a
+    wildcard of their family (`0.0.0.0` every IPv4 address, and a name, which may resolve
+    to one; `[::]`, dual stack, every address)."""
+    if host == other or {host, other} & {"::", "[::]", ""}:
+        return True
+    if "0.0.0.0" in (host, other):
+        rest = other if host == "0.0.0.0" else host
+        return not rest.startswith("[")  # (an IPv6 address: the other family)
+    return False
 
 
 @dataclass(frozen=True)
@@ -655,7 +663,7 @@ class HicacheConfig:
             listeners.append(("metrics.port", "0.0.0.0", self.metrics.port))
         for i, (key, host, port) in enumerate(listeners):
             for other, other_host, other_port in listeners[:i]:
-                if port == other_port and (host == other_host or {host, other_host} & _ANY_HOST):
+                if port == other_port and _same_socket(host, other_host):
                     raise ConfigError(f"{key}: port {port} is also {other}'s: give each "
                                       "listener its own port")
 
@@ -1103,20 +1111,36 @@ SECRET_KEYS = ("server.tokens", "storage.redis.url", "storage.mooncake.metadata_
 
 
 def redact_url(url: str) -> str:
-    """The URL without its credentials: everything before its last `@` (`user:password@`:
-    a password may hold `?`, `#` or `/`, so no other delimiter is trusted first), and a
-    `password=` (or `username=`) query parameter, which redis-py takes too."""
+    """The URL without its credentials (`user:password@`) and without a `password=` (or
+    `username=`) query parameter, which redis-py takes too. The credentials end at an `@`
+    inside the authority (up to the first `/`, `?` or `#`); a password holding one of those
+    (not escaped) ends at the last `@` followed by a host: then everything before that `@`
+    is hidden. An `@` in the path or query of a URL whose authority is a host is no
+    credential."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    _, at, rest = rest.rpartition("@")
-    host, q, query = rest.partition("?")
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    at = -1
+    if "@" in authority:
+        at = authority.rindex("@")
+    elif "@" in rest and (authority or not rest.startswith("/")) and not _URL_HOST.fullmatch(authority):
+        candidates = [i for i, ch in enumerate(rest) if ch == "@"]
+        at = next((i for i in reversed(candidates)
+                   if _URL_HOST.fullmatch(re.split(r"[/?#]", rest[i + 1 :], maxsplit=1)[0])),
+                  candidates[-1])
+    host, q, query = rest[at + 1 :].partition("?")
     if q:
         params = [p if urllib.parse.unquote(p.split("=", 1)[0]).lower()
                   not in ("password", "username") else f"{p.split('=', 1)[0]}=***"
                   for p in query.split("&")]
         host = f"{host}?{'&'.join(params)}"
-    return f"{scheme}{sep}{'***@' if at else ''}{host}"
+    return f"{scheme}{sep}{'***@' if at >= 0 else ''}{host}"
+
+
+# A URL's host[:port] (a name, an IPv4 address or a bracketed IPv6 one); not a bare
+# `:digits` (an empty user and a numeric password before a `?` look like that).
+_URL_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9._%-]+)(?::[0-9]*)?")
 
 
 def _secret(path: str) -> bool:

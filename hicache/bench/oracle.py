@@ -28,6 +28,9 @@ class KvOracle:
         # Pages the reply should have listed and did not (each counted as wrong bytes too,
         # a whole row per layer): a short or missing list would otherwise be checked less.
         self.pages_missing = 0
+        # Each component's window (its own member, named after it, carries it).
+        self._windows = {m.component: m.window_tokens for m in info.members
+                         if m.name == m.component.value}
 
     def _hashes(self, tokens: bytes) -> list[bytes]:
         blob = chain_hashes(self.seed, tokens, self.page_size * 4)
@@ -70,8 +73,10 @@ class KvOracle:
         if m.component is ComponentKind.MAMBA:
             return 0 if len(ids) else 1
         listed = ids[:n_pages]
-        if m.component is ComponentKind.SWA and m.window_tokens:
-            need = min(n_pages, -(-m.window_tokens // self.page_size))
+        # (a sidecar follows its anchor's window; Attach reports the window on the anchor)
+        window_tokens = self._windows.get(m.component, 0)
+        if m.component is ComponentKind.SWA and window_tokens:
+            need = min(n_pages, -(-window_tokens // self.page_size))
             window = listed[-need:] if len(listed) == n_pages else listed[:0]
             return need - int((window >= 0).sum())
         return n_pages - int((listed >= 0).sum())
