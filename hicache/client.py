@@ -23,8 +23,9 @@ follow an attempt that took effect and whose answer was lost: a Release then ans
 NOT_FOUND, which counts as released (also in a Batch), and a CloseSession answers what the
 lost attempt did (the daemon's close is idempotent). A call the daemon ends as it stops
 (CANCELLED, which this client never causes itself) is Unavailable too. A `matched()` or
-`allocation()` block whose release could not reach the daemon owes it: it is made before
-the next heartbeat (which would renew the lease holding the handles). A call on a closed
+`allocation()` block whose release could not reach the daemon, or ran past its deadline,
+owes it: it is made before the next call or heartbeat (which would renew the lease holding
+the handles). A call on a closed
 Client is FailedPrecondition.
 
 With CUDA pools, `insert`, `release` and a `batch` holding either first wait for the
@@ -69,7 +70,14 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.endpoint import parse_address
-from hicache.errors import FailedPrecondition, HicacheError, InvalidArgument, NotFound, Unavailable
+from hicache.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    HicacheError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
@@ -106,6 +114,9 @@ FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for 
 # a reply that comes in that time after the caller gave up has its handles released
 # (before the next heartbeat), rather than held for the engine's life.
 LATE_REPLY_S = 10.0
+# A release that failed so may not have been made: kept, and made again before the next
+# heartbeat (which would renew the lease holding them).
+_UNSETTLED = (Unavailable, DeadlineExceeded)
 
 # (lock_id, allocation_id) pairs a reply made (0: none), for releasing a late one.
 Made = Callable[[Any], list[tuple[int, int]]]
@@ -225,10 +236,12 @@ class Client:
         self._reached = False
         self._closed = False
         # Releases a `matched()`/`allocation()` block could not make (the daemon was away
-        # longer than the retries): made before the next heartbeat, which would otherwise
-        # renew the lease that keeps them held (lock_id, allocation_id).
+        # longer than the retries, or slower than the deadline): made before the next call
+        # or heartbeat, which would otherwise renew the lease that keeps them held
+        # (lock_id, allocation_id).
         self._owed: list[tuple[int, int]] = []
         self._owed_mu = threading.Lock()
+        self._settling_owed = threading.local()  # (its own releases settle nothing more)
         # This process's CUDA devices of the L1 pools: synchronized before Insert/Release.
         self._cuda_devices: tuple[torch.device, ...] = ()
 
@@ -255,6 +268,8 @@ class Client:
         have taken effect, its answer lost). `made`: the call makes locks or allocations,
         read from its reply by `made` (see `_settling`)."""
         self._check_open()
+        if self._owed and not getattr(self._settling_owed, "on", False):
+            self._settle_owed()  # (before anything else: they would stay held meanwhile)
         delay = RETRY_FIRST_S
         if not repeatable:
             if not self._reached:
@@ -642,22 +657,31 @@ class Client:
             raise
         try:
             self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
-        except Unavailable as e:  # told, and owed: the next heartbeat would keep them held
+        except _UNSETTLED as e:  # told, and owed: the next heartbeat would keep them held
             self._owe(lock_id, allocation_id, e)
             raise
 
     def _owe(self, lock_id: int, allocation_id: int, e: HicacheError) -> None:
-        if isinstance(e, Unavailable):  # (the daemon away: it still holds them)
+        # The daemon away, or slower than the deadline: it may still hold them (a release
+        # made again finds them released, which is fine).
+        if isinstance(e, _UNSETTLED):
             with self._owed_mu:
                 self._owed.append((lock_id, allocation_id))
             log.warning("releasing lock %d / allocation %d failed: %s; released before the "
-                        "next heartbeat", lock_id, allocation_id, e)
+                        "next call or heartbeat", lock_id, allocation_id, e)
         else:
             log.warning("releasing lock %d / allocation %d failed: %s", lock_id, allocation_id, e)
 
     def _settle_owed(self) -> None:
         """Make the releases `_owe` kept, oldest first; stops at one that fails to reach
-        the daemon (kept for the next time)."""
+        the daemon (kept for the next time). Run before every call and heartbeat."""
+        self._settling_owed.on = True
+        try:
+            self._settle_each_owed()
+        finally:
+            self._settling_owed.on = False
+
+    def _settle_each_owed(self) -> None:
         while True:
             with self._owed_mu:
                 if not self._owed:
@@ -665,7 +689,7 @@ class Client:
                 lock_id, allocation_id = self._owed.pop(0)
             try:
                 self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
-            except Unavailable:
+            except _UNSETTLED:
                 with self._owed_mu:
                     self._owed.insert(0, (lock_id, allocation_id))
                 return

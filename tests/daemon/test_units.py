@@ -601,6 +601,49 @@ def test_a_release_a_lock_block_could_not_make_is_made_before_the_next_heartbeat
         client.close()
 
 
+class _RpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "slow daemon"
+
+
+def test_a_block_release_past_its_deadline_is_owed_and_made_before_the_next_call() -> None:
+    """A release that ran past its deadline may not have been made: owed like one that
+    could not reach the daemon, and made before the next call (not only the next
+    heartbeat: the engine would hold the handles meanwhile; found by the client fault
+    fuzz under load)."""
+    client = Client("unix:///nonexistent/hicache.sock", engine_id="e")
+    client._reached = True
+    sent: list[str] = []
+
+    class Stub:
+        def Batch(self, request: pb.BatchRequest, **_kw: object) -> pb.BatchResponse:
+            sent.append("Batch")
+            if sent.count("Batch") == 1:
+                raise _RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+            return pb.BatchResponse(results=[pb.BatchResult(release=pb.ReleaseResponse())
+                                             for _ in request.ops])
+
+        def Stats(self, _request: object, **_kw: object) -> pb.StatsResponse:
+            sent.append("Stats")
+            return pb.StatsResponse()
+
+    client._stub = Stub()  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="kernel"), client._released_on_exit(lock_id=7, allocation_id=9):
+            raise RuntimeError("kernel")
+        assert client._owed == [(7, 9)]
+        client.stats()
+        assert sent == ["Batch", "Batch", "Stats"] and client._owed == []
+    finally:
+        client.close()
+
+
 def test_close_during_a_failing_heartbeat_is_no_detach(monkeypatch: pytest.MonkeyPatch) -> None:
     """close() ends a heartbeat under way (retrying while the daemon is away) with the
     closed client's FailedPrecondition: that is no "the daemon lost this engine" (it
