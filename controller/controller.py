@@ -781,6 +781,7 @@ class HybridCacheController(CacheService):
             counters["prefetches_running"] = self.prefetcher.running
             counters["active_locks"] = self._engines.lock_count
             counters["active_allocations"] = self._engines.allocation_count
+            counters["sessions_closed_for_room"] = self.tree.sessions_closed_for_room
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
                 counters["l3_breaker_trips"] = self.l3.breaker.trips
@@ -861,7 +862,8 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
                        cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones,
                        cfg.model.geometry,
                        # write-back L1 -> L2 copies a slot leaving L1 first
-                       (Tier.DEVICE,) if cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else ())
+                       (Tier.DEVICE,) if cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else (),
+                       cfg.eviction.max_open_sessions)
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None
     copier: CopyEngine | None = None

@@ -85,6 +85,10 @@ class PrefetchOp:
     # tokens_ready and tokens_total, which are both measured from the host boundary, like
     # the match's storage_tokens.
     lead_tokens: int = 0
+    pages_total: int = 0  # len(hashes), kept once the finished op drops them
+
+    def __post_init__(self) -> None:
+        self.pages_total = len(self.hashes)
 
     def _ready_tokens(self) -> int:
         return self.pages_ready * self.page_size + self.lead_tokens if self.pages_ready else 0
@@ -100,7 +104,7 @@ class PrefetchOp:
 
     def info(self) -> PrefetchInfo:
         with self.mu:
-            total = len(self.hashes) * self.page_size + self.lead_tokens
+            total = self.pages_total * self.page_size + self.lead_tokens
             self.expire_locked()
             ready = self._ready_tokens() if self.reported is None else self.reported
             return PrefetchInfo(self.state, ready, total)
@@ -596,9 +600,12 @@ class Prefetcher:
             left = ids[ids >= 0]
             self.ctl.transfers.free_l2(kind, left)
             op.host[kind] = ids[:0]
-        self._reserved_pages -= len(op.hashes)
+        self._reserved_pages -= op.pages_total
         self.running -= 1
         op.finished = True
+        # Kept (up to keep_finished) only to answer PrefetchStatus: not its prompt and
+        # hashes (a 1M-token prompt is 4 MB).
+        op.tokens, op.hashes = b"", []
         if op.pin is not None and op.pin.active:
             self.tree.unlock(op.pin)
         op.pin = None

@@ -379,7 +379,9 @@ class Transfers:
             if policy is WritePolicy.WRITE_BACK:
                 return self._l1_victim
             return self._l1_victim_uncopied if self._uncopied else None
-        if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and self.ctl.l3 is not None:
+        # (an L3 that has not connected yet, `l3_down`, loses what leaves: counted there)
+        if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and (
+                self.ctl.l3 is not None or self.ctl.l3_down is not None):
             return self._l2_victim
         return None
 
@@ -507,7 +509,8 @@ class Transfers:
                 raise
             if kind is FULL or self.tree.is_resident(node, FULL, Tier.HOST):
                 self.tree.set_resident(node, kind, Tier.HOST, host_ids)
-                self.stats["backups_l2"] += len(dev)
+                if kind is FULL:  # (the backup counters count FULL pages, as evictions do)
+                    self.stats["backups_l2"] += len(dev)
             else:  # FULL could not go: a slot alone in L2 is of no use
                 self.free_l2(kind, host_ids)
         return bool(moves)
@@ -753,7 +756,8 @@ class Transfers:
                             self.stats["l2_landings_refused"] += 1
                             self.free_l2(kind, host_ids[lo:hi])
                             continue
-                        self.stats["backups_l2"] += hi - lo
+                        if kind is FULL:
+                            self.stats["backups_l2"] += hi - lo
                     else:
                         self.free_l2(kind, host_ids[lo:hi])
             self._queued_l2.discard(id(node))

@@ -298,9 +298,11 @@ class TiersConfig:
 class EvictionConfig:
     policy: EvictionPolicy = EvictionPolicy.LRU
     closed_session_tombstones: int = 4096
+    max_open_sessions: int = 65536
 
     def _validate(self, path: str) -> None:
         _positive(self.closed_session_tombstones, f"{path}.closed_session_tombstones")
+        _positive(self.max_open_sessions, f"{path}.max_open_sessions")
 
 
 # Longest an L1 page's write-through copy may wait for others to share its flush.

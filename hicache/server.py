@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from hicache.auth import Authenticator
 from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig, read_named_file
@@ -46,6 +46,7 @@ HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 WORKERS = 32
 MAX_HEALTH_WATCHES = 4  # of the WORKERS threads, at most this many held by health Watch streams
+MAX_REFLECTION_STREAMS = 2  # ... and by server reflection streams
 STOP_GRACE_S = 5.0
 STOP_SLACK_S = 1.0  # how long past the grace period a stop waits for gRPC's own end
 SIGNAL_POLL_S = 0.2  # how often the main thread wakes to run a signal's handler
@@ -105,6 +106,31 @@ class HealthServicer(health.HealthServicer):
         return response
 
 
+class ReflectionServicer(reflection.ReflectionServicer):
+    """Server reflection serving at most `max_streams` streams at once: each is a
+    bidirectional stream holding a server thread until its client closes it, so 40 idle
+    ones (from anyone who can connect) stalled every call, health checks included."""
+
+    def __init__(self, service_names: tuple[str, ...],
+                 max_streams: int = MAX_REFLECTION_STREAMS) -> None:
+        super().__init__(service_names)
+        self._max_streams = max_streams
+        self._slots = threading.BoundedSemaphore(max_streams)
+
+    def ServerReflectionInfo(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server reflection: at most {self._max_streams} streams at once "
+                          "(each holds a server thread); close one first")
+        return self._released_at_end(super().ServerReflectionInfo(request_iterator, context))
+
+    def _released_at_end(self, replies: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from replies
+        finally:
+            self._slots.release()
+
+
 class Daemon:
     """The gRPC side of a running daemon over a started core."""
 
@@ -136,8 +162,10 @@ class Daemon:
             AdminServicer(core, cfg.server.shutdown_flush_s), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (HICACHE_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
+            ReflectionServicer(
+                (HICACHE_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            ),
             self.server,
         )
         self.probe_server: grpc.Server | None = None

@@ -109,6 +109,7 @@ class HiRadixTree:
         closed_session_tombstones: int = 4096,
         geometry: str = "",
         backed_up_tiers: Collection[Tier] = (),
+        max_open_sessions: int = 1 << 16,
     ) -> None:
         """`backed_up_tiers`: tiers whose evictions first copy each slot to the other paged
         tier (write-back L1 -> L2): the last copy of a node with children is a candidate
@@ -155,7 +156,8 @@ class HiRadixTree:
         self._resident = [[0] * self._ncomp for _ in Tier]
         self._locked = [[0] * self._ncomp for _ in Tier]
         self._locks: set[TreeLock] = set()
-        self._sessions = SessionTable(closed_session_tombstones)
+        self._sessions = SessionTable(closed_session_tombstones, max_open_sessions)
+        self.sessions_closed_for_room = 0  # least recently used sessions closed past the cap
         self._queues = [
             [self._make_queue(tier, comp) for comp in self.components] for tier in range(PAGED_TIERS)
         ]
@@ -227,7 +229,7 @@ class HiRadixTree:
         device_pages = self._device_pages(path, i0)
         tree_lock = None
         if lock:
-            gen = self._sessions.open(session_id) if session_id else 0
+            gen = self._open_session(session_id) if session_id else 0
             end = path[i1 - 1] if i1 else None
             # The device and host boundaries' nodes, once each (i0 <= i1).
             points = (path[i0 - 1], end) if 0 < i0 < i1 else (end,) if end is not None else ()
@@ -669,7 +671,7 @@ class HiRadixTree:
         sid = session_id if session_id is not None else (lock.session_id if lock else None)
         if sid and not keep_lock:
             gen = (lock.session_gen if lock is not None and lock.session_id == sid
-                   else self._sessions.open(sid, session_since))
+                   else self._open_session(sid, session_since))
             self._reference_session(sid, gen, node if node.parent is not None else None)
         ps = self.page_size
         return InsertResult(
@@ -1015,9 +1017,24 @@ class HiRadixTree:
                 raise AssertionError(f"deleting {node} with resident {comp.kind.value} data")
         del parent.children[node.key[: self._pb]]
         node.qmask = 0
+        # Sessions that ended here end at the deepest live node of their path now: its
+        # path references are theirs already; its point slots (a checkpoint) gain theirs.
+        for session_id, session in self._sessions.ended_at(node):
+            up = parent if parent.parent is not None else None
+            self._sessions.set_end(session_id, session, up)
+            if up is not None:
+                for comp in self._point_comps:
+                    up.sref[comp.index] += 1
         if parent.parent is not None:
             for tier in range(PAGED_TIERS):
                 self._queues[tier][FULL_INDEX].offer(parent)
+        elif not parent.children:
+            # A namespace left empty: its root goes too (namespaces carry tenants' salts:
+            # one root each, kept, would grow without bound). Nothing holds a root: locks
+            # and sessions end at a node or at None, which is looked up again.
+            namespace = parent.root.namespace
+            if self._roots.get(namespace) is parent:
+                del self._roots[namespace]
 
     # ------------------------------------------------------------------ residency
 
@@ -1259,12 +1276,23 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ sessions
 
+    def _open_session(self, session_id: str, since: int | None = None) -> int:
+        """`SessionTable.open`, closing the least recently used sessions past the cap."""
+        gen = self._sessions.open(session_id, since)
+        while len(self._sessions) > self._sessions.max_open:
+            oldest = self._sessions.least_recent()
+            if oldest is None or oldest == session_id:
+                break
+            self.close_session(oldest)
+            self.sessions_closed_for_room += 1
+        return gen
+
     def _reference_session(self, session_id: str, gen: int, end: Node | None) -> None:
         session = self._sessions.current(session_id, gen)
         if session is None:
             return  # closed (and maybe reopened) since this request matched
         old = session.end
-        session.end = end
+        self._sessions.set_end(session_id, session, end)
         # A session's next end usually continues its last one: the shared prefix keeps
         # its references, only the two branches below their common ancestor change.
         shared = _common_ancestor(old, end)

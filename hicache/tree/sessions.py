@@ -27,8 +27,15 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, max_closed: int) -> None:
-        self._open: dict[str, Session] = {}
+    def __init__(self, max_closed: int, max_open: int = 1 << 16) -> None:
+        # Least recently used first: past `max_open` the tree closes the oldest (an engine
+        # that never calls CloseSession would grow the table, and the references it keeps,
+        # without bound).
+        self._open: OrderedDict[str, Session] = OrderedDict()
+        self.max_open = max_open
+        # Open sessions by the node they end at (id): a node deleted under a session moves
+        # its end up, so no session keeps a deleted path (and its tokens) alive.
+        self._by_end: dict[int, dict[str, Session]] = {}
         # session id -> (what its close returned, the clock at the close)
         self._closed: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.clock = 0  # ticks at every open and close
@@ -43,6 +50,7 @@ class SessionTable:
         after that: a late request of the closed session, not a new one's."""
         session = self._open.get(session_id)
         if session is not None:
+            self._open.move_to_end(session_id)
             return 0 if since is not None and session.reopened_at > since else session.generation
         closed = self._closed.get(session_id)
         if since is not None and closed is not None and closed[1] > since:
@@ -68,6 +76,7 @@ class SessionTable:
             closed = self._closed.get(session_id)
             return None if closed is None else closed[0]
         released = drop(session)
+        self.set_end(session_id, session, None)
         self.clock += 1
         self._closed[session_id] = (released, self.clock)
         while len(self._closed) > self._max_closed:
@@ -76,3 +85,22 @@ class SessionTable:
 
     def sessions(self) -> list[Session]:
         return list(self._open.values())
+
+    def least_recent(self) -> str | None:
+        """The open session used longest ago (opened, or named by a request)."""
+        return next(iter(self._open), None)
+
+    def set_end(self, session_id: str, session: Session, end: Node | None) -> None:
+        """`session.end = end`, kept in the by-node index."""
+        if session.end is not None:
+            at = self._by_end.get(id(session.end))
+            if at is not None:
+                at.pop(session_id, None)
+                if not at:
+                    del self._by_end[id(session.end)]
+        session.end = end
+        if end is not None:
+            self._by_end.setdefault(id(end), {})[session_id] = session
+
+    def ended_at(self, node: Node) -> list[tuple[str, Session]]:
+        return list(self._by_end.get(id(node), {}).items())
