@@ -68,7 +68,15 @@ case "$cmd" in
     # mypy on the installed layout (hicache.tiers, hicache.controller): scripts/typecheck.py
     "$VENV/bin/ruff" check . && "$VENV/bin/python" scripts/typecheck.py --no-error-summary >/dev/null \
       || { echo "bootstrap: lint/type check failed" >&2; "$VENV/bin/python" scripts/typecheck.py | tail -20; exit 1; }
-    "$VENV/bin/python" -m pytest "$@"
+    # Two workers, a test file each (module-scoped daemons stay shared): most tests wait
+    # on daemons, leases and subprocesses, so two halve the wall time even on 2 cores.
+    # HICACHE_TEST_WORKERS=0 runs in this process.
+    workers=${HICACHE_TEST_WORKERS:-2}
+    if [ "$workers" = 0 ]; then
+      "$VENV/bin/python" -m pytest "$@"
+    else
+      "$VENV/bin/python" -m pytest -n "$workers" --dist loadfile "$@"
+    fi
     rc=$?
     [ $rc -eq 5 ] && { echo "bootstrap: pytest collected no tests" >&2; exit 1; }
     exit $rc;;

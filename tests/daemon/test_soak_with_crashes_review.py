@@ -519,6 +519,9 @@ def test_engines_killed_mid_request_leave_nothing_held_and_no_wrong_byte(tmp_pat
                 time.sleep(0.25)
             assert held == (0, 0, 0), f"held (locks, allocations, locked pages) {held}; {ctx}"
             assert ended == expected, f"lapses + restarts {ended} != {expected}; {ctx}"
+            # (read again, both now that every lapse is in: the scrape above came before
+            # the Stats call, and a lease could lapse in between)
+            text, stats = soak.metrics(), probe.stats()
             assert _metric(text, "hicache_expired_leases_total") == stats.counters["expired_leases"]
             assert probe.serving() and probe.serving("hicache.v1.HiCache")
             assert all(b.healthy for b in probe.health()), probe.health()
