@@ -391,8 +391,16 @@ class Transfers:
         in L2 does: it used to wait for a later match of the node). A failed copy does
         not stop the eviction of a leaf: the slot then leaves the cache (`tree.evict`
         keeps a node with children, whose last copy it would be)."""
-        self._backup_to_host_or_count(victim.node, "write-back")
-        self._maybe_l3([victim.node])  # (nothing without an L3, or where L2 got nothing)
+        node = victim.node
+        self._backup_to_host_or_count(node, "write-back")
+        full = victim.pages.get(FULL)
+        if (full is not None and self.tree.is_leaf(node)
+                and not self.tree.is_resident(node, FULL, Tier.HOST)
+                and not self.tree.is_resident(node, FULL, Tier.STORAGE)):
+            # No room in L2 (or a failed copy): a leaf's last copy leaves the cache (a node
+            # with children stays, `tree.evict`). Counted in FULL pages, as L2 -> L3 does.
+            self.stats["backups_dropped"] += len(full)
+        self._maybe_l3([node])  # (nothing without an L3, or where L2 got nothing)
 
     def _note_uncopied(self, node: object) -> None:
         """Caller holds the mutex. `node`'s write-through copy found no room in L2."""

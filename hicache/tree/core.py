@@ -425,6 +425,10 @@ class HiRadixTree:
         out.reverse()
         return out
 
+    def is_leaf(self, node: object) -> bool:
+        assert isinstance(node, Node)
+        return not node.children
+
     def parent_of(self, node: object) -> object | None:
         """The node above `node` (None at a namespace root)."""
         assert isinstance(node, Node)
