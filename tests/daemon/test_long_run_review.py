@@ -7,8 +7,8 @@ checked against a real `hicache serve` process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-
 import sys
 import threading
 import time
@@ -115,10 +115,8 @@ def test_request_lives_return_every_table_to_baseline(make) -> None:  # type: ig
         except HicacheError as e:  # (no room while abandoned locks wait for their lapse)
             unexpected.append(type(e).__name__)
         finally:
-            try:
+            with contextlib.suppress(HicacheError):
                 ctl.close_session(sid)
-            except HicacheError:
-                pass
         if i % 50 == 0:
             evict_all(ctl, Tier.DEVICE, Tier.HOST)
         if i % 100 == 99:
@@ -274,14 +272,11 @@ def _lives(target: str, round_: int, n: int) -> None:
                 namespace=f"ns-{key}", tokens=seq_, lock_id=m.lock_id,
                 allocation_id=m.allocation_id, session_id=f"sess-{key}"), metadata=eng.md, timeout=10)
             eng.stub.CloseSession(pb.CloseSessionRequest(session_id=f"sess-{key}"), timeout=10)
-            for bad in (lambda: eng.stub.Release(pb.ReleaseRequest(lock_id=m.lock_id),
-                                                 metadata=eng.md, timeout=10),
-                        lambda: eng.stub.MatchPrefix(pb.MatchPrefixRequest(tokens=b"abc"),
-                                                     metadata=eng.md, timeout=10),
-                        lambda: eng.stub.PrefetchStatus(pb.PrefetchStatusRequest(prefetch_id=7 + i),
-                                                        metadata=eng.md, timeout=10)):
+            for call, request in ((eng.stub.Release, pb.ReleaseRequest(lock_id=m.lock_id)),
+                                  (eng.stub.MatchPrefix, pb.MatchPrefixRequest(tokens=b"abc")),
+                                  (eng.stub.PrefetchStatus, pb.PrefetchStatusRequest(prefetch_id=7 + i))):
                 with pytest.raises(grpc.RpcError):
-                    bad()
+                    call(request, metadata=eng.md, timeout=10)
         finally:
             eng.close()
 
