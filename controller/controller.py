@@ -440,10 +440,9 @@ class HybridCacheController(CacheService):
         need = dict.fromkeys(self._paged, n)
         if with_slot:
             need[MAMBA] = 1
-        got = self.transfers.allocate_l1_all(need)
+        got = self.transfers.allocate_l1_all(need)  # (every kind, those of 0 pages too)
         slot = int(got.pop(MAMBA)[0]) if with_slot else None
-        return {kind: got[kind] if kind in got else np.empty(0, dtype=np.int64)
-                for kind in self._paged}, slot
+        return got, slot
 
     def _new_allocation(self, engine_id: str, namespace: str, tokens: int,
                         start: Callable[[], tuple[int, np.ndarray | None]],

@@ -226,9 +226,11 @@ class Transfers:
         taken and, when some kind cannot fit whatever is evicted, nothing evicted either
         (evicting for one kind first, then failing on another, would empty the cache for
         nothing). A kind short only of pages pinned by queued copies waits for them."""
-        need = {kind: n for kind, n in need.items() if n}
         allocators = self._allocators[Tier.DEVICE]
-        if all(allocators[kind].free_count >= n for kind, n in need.items()):
+        for kind, n in need.items():  # (a loop, not all(...): this is every request's path)
+            if allocators[kind].free_count < n:
+                break
+        else:
             return {kind: allocators[kind].allocate(n) for kind, n in need.items()}
         deadline = time.monotonic() + BACKPRESSURE_S
         while True:
