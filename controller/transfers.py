@@ -178,6 +178,7 @@ class Transfers:
         # short of room waits on it (releasing the mutex) rather than failing at once.
         self.landed = threading.Condition(ctl._mu)
         self._loads: set[LoadOp] = set()  # running loads (`plan_load` to `run_load`'s end)
+        self._load_events = 0  # loads registered or ended so far (`plan_load`)
         self._evicting = 0  # inside a tree eviction callback: never wait there
 
     def start(self) -> None:
@@ -910,19 +911,31 @@ class Transfers:
             wanted = self._wanted_in_l1(self.tree.lock_path(lock))
             copying = {(id(node), kind) for op in self._loads for node, kind, _, _ in op.moves}
             left = deadline - time.monotonic()
-            if left <= 0 or not any((id(node), kind) in copying for node, kind, _ in wanted):
-                break
-            self.landed.wait(min(left, 0.05))
+            if left > 0 and any((id(node), kind) in copying for node, kind, _ in wanted):
+                self.landed.wait(min(left, 0.05))
+            else:
+                # One allocation for the whole load: a load that cannot fit fails before
+                # evicting anything (node by node, each part fitted and evicted first).
+                seen = self._load_events
+                got = self.allocate_l1_all(_pages_needed(wanted))
+                if self._load_events == seen or left <= 0:
+                    break
+                # The allocation waited (mutex released) and another load planned or
+                # landed meanwhile: it may copy these slots, or have copied them.
+                for kind, ids in got.items():
+                    self.free_l1(kind, ids)
             if not lock.active:
                 raise NotFound("the lock was released while its load waited for another "
                                "load of the same pages")
-        # One allocation for the whole load: a load that cannot fit fails before evicting
-        # anything (node by node, each part fitted and evicted first).
-        got = self.allocate_l1_all(_pages_needed(wanted))
+        if not lock.active:  # (released while the allocation waited)
+            for kind, ids in got.items():
+                self.free_l1(kind, ids)
+            raise NotFound("the lock was released while its load waited for room")
         layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
         op = LoadOp(_moves_into(wanted, got), layers)
         if op.moves:
             self._loads.add(op)
+            self._load_events += 1
         return op
 
     def loading_pages(self, kind: ComponentKind) -> list[np.ndarray]:
@@ -933,6 +946,7 @@ class Transfers:
     def _end_load(self, op: LoadOp) -> None:
         """Caller holds the mutex. The op landed or freed its pages."""
         self._loads.discard(op)
+        self._load_events += 1
         self.landed.notify_all()
 
     def plan_to_free_l1(self, nodes: list[object]) -> list[L1Move] | None:

@@ -3,18 +3,46 @@ member) into the L1 pages it is given, and checks every reused page byte for byt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchOutcome, MatchRequest, PrefetchState
-from hicache.controller.controller import HybridCacheController
+from hicache.controller.controller import HybridCacheController, build_controller
 from hicache.keys import chain_hashes
 from hicache.types import ComponentKind, Tier
 
 MAMBA = ComponentKind.MAMBA
+
+
+_instances = itertools.count()
+
+
+@contextlib.contextmanager
+def built_controllers(tmp_path, prefix: str = "t") -> Iterator[Callable[..., HybridCacheController]]:
+    """A factory of controllers from `tiny_config(tmp_path, **overrides)`, each audited
+    (`check_integrity`) and closed at the end (closed even when an audit fails: no
+    shared-memory segment may outlive the test). Instance names start with `prefix`."""
+    built: list[HybridCacheController] = []
+
+    def factory(**kw: object) -> HybridCacheController:
+        cfg = tiny_config(tmp_path, **kw)  # type: ignore[arg-type]
+        ctl = build_controller(cfg, f"{prefix}{next(_instances)}x{int(time.time() * 1000) % 100000}")
+        built.append(ctl)
+        return ctl
+
+    try:
+        yield factory
+        for ctl in built:
+            ctl.check_integrity()
+    finally:
+        for ctl in built:
+            ctl.close()
 
 
 def tiny_config(tmp_path, *, hybrid: bool = False, sidecar: bool = False, backend: str = "file",

@@ -26,14 +26,13 @@ import pytest
 
 from hicache.client import Client
 from hicache.controller.base import InsertRequest, MatchRequest
-from hicache.controller.controller import build_controller
 from hicache.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from hicache.types import ComponentKind, Tier
 
 from .daemonkit import Daemon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from engine_sim import Engine, evict_all, seq, tiny_config
+from engine_sim import Engine, built_controllers, evict_all, seq
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 _instances = itertools.count()
@@ -44,23 +43,8 @@ _instances = itertools.count()
 
 @pytest.fixture
 def make_ctl(tmp_path: Path) -> Iterator[Callable[..., object]]:
-    """Controllers built from the controller tests' tiny config; each is audited
-    (`check_integrity`) and closed after the test."""
-    built: list = []
-
-    def factory(**kw: object):  # type: ignore[no-untyped-def]
-        cfg = tiny_config(tmp_path, **kw)
-        ctl = build_controller(cfg, f"lc{next(_instances)}x{int(time.time() * 1000) % 100000}")
-        built.append(ctl)
-        return ctl
-
-    yield factory
-    try:
-        for ctl in built:
-            ctl.check_integrity()
-    finally:
-        for ctl in built:
-            ctl.close()
+    with built_controllers(tmp_path, "lc") as factory:
+        yield factory
 
 
 class CopyGate:

@@ -20,10 +20,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from engine_sim import Engine, evict_all, seq, tiny_config, wait_prefetch
+from engine_sim import Engine, built_controllers, evict_all, seq, wait_prefetch
 
 from hicache.controller.base import InsertRequest, MatchRequest
-from hicache.controller.controller import build_controller
 from hicache.errors import HicacheError
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -36,21 +35,8 @@ _instances = itertools.count()
 
 @pytest.fixture
 def make(tmp_path: Path) -> Iterator[Callable[..., object]]:
-    built = []
-
-    def factory(**kw: object) -> object:
-        cfg = tiny_config(tmp_path, **kw)
-        ctl = build_controller(cfg, f"lr{next(_instances)}x{int(time.time() * 1000) % 100000}")
-        built.append(ctl)
-        return ctl
-
-    yield factory
-    try:
-        for ctl in built:
-            ctl.check_integrity()
-    finally:
-        for ctl in built:
-            ctl.close()
+    with built_controllers(tmp_path, "lr") as factory:
+        yield factory
 
 
 def _wait_prefetches_idle(ctl, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]

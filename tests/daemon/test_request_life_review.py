@@ -11,17 +11,17 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from engine_sim import Engine, seq, tiny_config, toks
+from engine_sim import Engine, built_controllers, seq, toks
 
 from hicache.bench.oracle import KvOracle
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
-from hicache.controller.controller import build_controller
 from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
 
@@ -35,22 +35,9 @@ _instances = itertools.count()
 
 
 @pytest.fixture
-def make(tmp_path):
-    built = []
-
-    def factory(**kw):
-        cfg = tiny_config(tmp_path, **kw)
-        ctl = build_controller(cfg, f"rl{next(_instances)}x{int(time.time() * 1000) % 100000}")
-        built.append(ctl)
-        return ctl
-
-    yield factory
-    try:
-        for ctl in built:
-            ctl.check_integrity()
-    finally:
-        for ctl in built:
-            ctl.close()
+def make(tmp_path: Path) -> Iterator[Callable[..., object]]:
+    with built_controllers(tmp_path, "rl") as factory:
+        yield factory
 
 
 def t(lo: int, hi: int) -> bytes:
