@@ -136,9 +136,10 @@ class CudaDevicePools(MemberTable, DevicePools):
         return self._tensors[member][layer]
 
     def descriptors(self, tp_rank: int = 0) -> tuple[PoolDescriptor, ...]:
-        """(One rank: `create` refuses tp_size > 1.) Exported once, when the pools were made: each export makes torch a new sharing
-        record (reference counter slot, event) that only a consumer of that very export
-        frees, so exporting per Attach (or twice in a race) would pile them up."""
+        """Rank 0's (`create` refuses tp_size > 1). Exported once, when the pools were
+        made: each export makes torch a new sharing record (reference counter slot, event)
+        that only a consumer of that very export frees, so exporting per Attach (or twice
+        in a race) would pile them up."""
         return self._descriptors
 
     def _export(self) -> tuple[PoolDescriptor, ...]:

@@ -94,6 +94,8 @@ def cgroup_memory_left(proc_cgroup: Path = Path("/proc/self/cgroup"),
 
 
 def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
+    """The limit less the working set: the usage less the inactive file cache (what the
+    kernel reclaims first, as the kubelet counts it), read from `memory.stat` beside."""
     try:
         limit_text = limit_file.read_text().strip()
         if limit_text == "max":
@@ -101,9 +103,20 @@ def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
         limit = int(limit_text)
         if limit >= _NO_LIMIT:
             return None
-        return max(0, limit - int(usage_file.read_text().strip()))
+        usage = int(usage_file.read_text().strip())
     except (OSError, ValueError):
         return None
+    inactive = 0
+    try:
+        for line in (limit_file.parent / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("inactive_file", "total_inactive_file"):  # (v2, v1)
+                inactive = int(value)
+                if key == "total_inactive_file":
+                    break
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - max(0, usage - inactive))
 
 
 

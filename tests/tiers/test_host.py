@@ -148,6 +148,9 @@ def test_the_memory_cgroup_limit_bounds_what_l2_may_use(tmp_path: Path) -> None:
            "cg/kubepods/pod1/memory.max": str(10 << 30), "cg/kubepods/pod1/memory.current": str(3 << 30),
            "cg/kubepods/pod1/ctr/memory.max": str(8 << 30), "cg/kubepods/pod1/ctr/memory.current": str(2 << 30)})
     assert cgroup_memory_left(tmp_path / "proc_v2", tmp_path / "cg") == 6 << 30
+    # Inactive file cache is reclaimed first: not counted against the limit.
+    files({"cg/kubepods/pod1/ctr/memory.stat": f"anon 5\ninactive_file {1 << 30}\nactive_file 7\n"})
+    assert cgroup_memory_left(tmp_path / "proc_v2", tmp_path / "cg") == 7 << 30
     files({"proc_v1": "5:cpu:/x\n4:memory,foo:/docker/abc\n",
            "v1/memory/docker/abc/memory.limit_in_bytes": str(4 << 30),
            "v1/memory/docker/abc/memory.usage_in_bytes": str(1 << 30),
