@@ -44,6 +44,7 @@ FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 MAX_UNCOPIED = 4096  # write_through nodes remembered as not copied for lack of room
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 LOAD_WAIT_S = 2.0  # longest a load waits for another load copying the same slots
+L1_VICTIM_WAIT_S = 0.1  # longest an L1 allocation waits for room in L2 for its victims' copies
 # A pool short of room evicts this share of its pages beyond what the allocation needs
 # (16 of the default 1,024): one tree eviction and one free per that many pages rather
 # than per request. Pools of under 64 pages evict exactly what they need.
@@ -113,7 +114,7 @@ def _cat(parts: list[np.ndarray]) -> np.ndarray:
 # What `Transfers.stats` counts (evictions, per tier and kind, come as they happen).
 COUNTED = ("allocation_waits", "backups_dropped", "backups_l2", "backups_l2_failed",
            "backups_l2_skipped", "backups_l3", "backups_l3_failed", "backups_l3_present",
-           "l2_flushes", "l2_landings_refused", "loaded_pages")
+           "l1_evictions_deferred", "l2_flushes", "l2_landings_refused", "loaded_pages")
 
 
 class Transfers:
@@ -180,6 +181,7 @@ class Transfers:
         self._loads: set[LoadOp] = set()  # running loads (`plan_load` to `run_load`'s end)
         self._load_events = 0  # loads registered or ended so far (`plan_load`)
         self._evicting = 0  # inside a tree eviction callback: never wait there
+        self._defer_l1_victims = True  # see `_l1_victim`
 
     def start(self) -> None:
         self.backup_worker.start()
@@ -279,11 +281,27 @@ class Transfers:
                 f"the pool has {alloc.total}"
             )
         deadline = time.monotonic() + wait_s
+        kept_until: float | None = None
         while True:
             # Evicting only when it can make room: a request that cannot fit (the rest is
             # locked, pinned or held by allocations) must not empty the pool trying.
             if alloc.free_count < n <= self._reachable(tier, kind):
+                kept = self.stats["l1_evictions_deferred"]
                 self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
+                if alloc.free_count < n and self.stats["l1_evictions_deferred"] > kept:
+                    # Victims kept in L1 until L2 has room for their copy (`_l1_victim`):
+                    # it comes as L3 writes land. Waited for a moment only (nothing on the
+                    # serving path waits on a slow L3), then they go (counted dropped).
+                    now = time.monotonic()
+                    kept_until = now + L1_VICTIM_WAIT_S if kept_until is None else kept_until
+                    if now < kept_until and not self._evicting:
+                        self.landed.wait(kept_until - now)
+                        continue
+                    self._defer_l1_victims = False
+                    try:
+                        self._evict(tier, kind, n - alloc.free_count)
+                    finally:
+                        self._defer_l1_victims = True
             if alloc.free_count >= n:
                 return alloc.allocate(n)
             pending = ((wait_for_copies and self._queued_l2)
@@ -374,7 +392,7 @@ class Transfers:
 
     # ------------------------------------------------------------------ write policies
 
-    def _victim_callback(self, tier: Tier) -> Callable[[Victim], None] | None:
+    def _victim_callback(self, tier: Tier) -> Callable[[Victim], bool | None] | None:
         """What must happen before a slot leaves `tier` (a write-back), or None: then the
         tree builds no victim descriptions at all."""
         if tier is Tier.DEVICE:
@@ -388,7 +406,7 @@ class Transfers:
             return self._l2_victim
         return None
 
-    def _l1_victim(self, victim: Victim) -> None:
+    def _l1_victim(self, victim: Victim) -> bool:
         """A slot leaving L1 under write_back goes to L2 first (only what L2 lacks), and
         from there on to L3 as the L2 -> L3 policy says (as a write-through copy landing
         in L2 does: it used to wait for a later match of the node). A failed copy does
@@ -400,24 +418,37 @@ class Transfers:
         if (full is not None and self.tree.is_leaf(node)
                 and not self.tree.is_resident(node, FULL, Tier.HOST)
                 and not self.tree.is_resident(node, FULL, Tier.STORAGE)):
+            if self._defer_l1_victims and self._parked_l2.get(FULL):
+                # L2 is short only of pages L3 write-backs hold (the L2 slot this eviction
+                # took to make room among them): room comes once they land. The slot stays
+                # in L1 meanwhile while other victims can go; an allocation that needs it
+                # gone takes it (`_allocate`): nothing on the serving path waits on L3.
+                self.stats["l1_evictions_deferred"] += 1
+                return True
             # No room in L2 (or a failed copy): a leaf's last copy leaves the cache (a node
             # with children stays, `tree.evict`). Counted in FULL pages, as L2 -> L3 does.
             self.stats["backups_dropped"] += len(full)
         self._maybe_l3([node])  # (nothing without an L3, or where L2 got nothing)
+        return False
 
     def _note_uncopied(self, node: object) -> None:
         """Caller holds the mutex. `node`'s write-through copy found no room in L2."""
-        if self.cfg.write.l1_to_l2 is WritePolicy.WRITE_THROUGH:  # (selective: on purpose)
+        # (selective too: a node whose copy was tried had its hits; a cold one never is)
+        if self.cfg.write.l1_to_l2 is not WritePolicy.WRITE_BACK:
             self._uncopied[id(node)] = node
             if len(self._uncopied) > MAX_UNCOPIED:  # (the oldest most likely left L1)
                 self._uncopied.popitem(last=False)
 
-    def _l1_victim_uncopied(self, victim: Victim) -> None:
+    def _l1_victim_uncopied(self, victim: Victim) -> bool:
         """write_through: a slot whose copy found no room in L2 (its pages held by L3
         writes in flight) leaves L1 as under write_back (`_l1_victim`), or its data would
         leave every tier. Any other slot is in L2 already: nothing to do."""
-        if self._uncopied.pop(id(victim.node), None) is victim.node:
-            self._l1_victim(victim)
+        if self._uncopied.get(id(victim.node)) is not victim.node:
+            return False
+        if self._l1_victim(victim):
+            return True  # kept (still uncopied): tried again at the next eviction
+        del self._uncopied[id(victim.node)]
+        return False
 
     def _l2_victim(self, victim: Victim) -> None:
         """A slot leaving L2 under write_back (with an L3) goes to L3 first. Its host pages

@@ -72,7 +72,9 @@ def _any_equal(a: np.ndarray, b: np.ndarray) -> bool:
     if len(a) <= _SMALL:
         return any(map(operator.eq, a.tolist(), b.tolist()))
     return any_of(a == b)
-BeforeDrop = Callable[[Victim], None]
+# What must happen before a slot leaves a tier (a write-back); True keeps it there for
+# now (its copy could not be made yet): it stays queued for the next eviction.
+BeforeDrop = Callable[[Victim], "bool | None"]
 
 
 def _common_ancestor(a: Node | None, b: Node | None) -> Node | None:
@@ -1228,8 +1230,9 @@ class HiRadixTree:
                 continue  # re-offered when the window below it moves
             if keep:
                 target = self._split(node, node.npages - keep)
-            if before_drop is not None:
-                before_drop(self._victim(target, comp, tier))
+            if before_drop is not None and before_drop(self._victim(target, comp, tier)):
+                queue.park(target)  # kept for now (its copy comes later)
+                continue
             if not target.mask[comp.index] & (1 << tier):
                 continue  # the callback already moved it
             if (comp.index == FULL_INDEX and target.children

@@ -186,11 +186,6 @@ def test_with_an_idle_l3_of_room_no_hot_page_is_lost(make, l1_to_l2, l2_to_l3) -
     assert ctl.stats().counters["backups_dropped"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: under l2_to_l3=write_back an L1 victim that needs L2 room evicts an L2 slot whose "
-    "pages its L3 write-back then holds (parked), so the synchronous L1->L2 copy finds no "
-    "room and the page leaves every tier, though L3 is idle with room (counted in "
-    "backups_dropped since; transfers.py _host_copies/_l2_victim)"))
 @pytest.mark.parametrize("l1_to_l2", ["write_back", "write_through_selective"])
 def test_a_write_back_l2_never_loses_an_l1_victim_while_l3_is_idle_with_room(make, l1_to_l2) -> None:
     """The same workload as above with l2_to_l3=write_back: L1 evictions write back to L2
