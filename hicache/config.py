@@ -403,6 +403,20 @@ class RedisStorageConfig:
             raise ConfigError(
                 f"{path}.url: must start with redis://, rediss:// or unix:// (got {got})"
             )
+        from redis.connection import parse_url  # (what the backend connects by)
+
+        try:
+            parse_url(self.url)
+        except ValueError as e:
+            # (not redis-py's text for a port: it quotes the URL's text there, which may
+            # be a password typed without its '@')
+            said = str(e)
+            reason = (said if said.startswith("Invalid value for") else
+                      "its port is no number in [0, 65535] (a password holding '/', '?' or "
+                      "'#' must be percent-encoded)" if "port" in said.lower() else
+                      "redis-py cannot read it")
+            raise ConfigError(f"{path}.url: {reason} (the URL is not shown: it may hold a "
+                              "password)") from None
         if self.ttl_s is not None:
             _positive(self.ttl_s, f"{path}.ttl_s")
             if self.ttl_s > MAX_TTL_S:  # (Redis refuses an expiry past its clock's range)

@@ -66,6 +66,11 @@ def namespace_tag(namespace: str) -> str:
     return hashlib.sha256(namespace.encode()).hexdigest()[:8]
 
 
+# Keys the backends' own checks use (the deep health canary, capability probes), under
+# the prefix every page key has (`hc<version>/`): an account limited to it can run them.
+CANARY_PREFIX = f"hc{LAYOUT_VERSION}/canary/"
+
+
 @functools.lru_cache(maxsize=1024)
 def key_prefix(namespace: str, model_id: str) -> str:
     """The part of every L3 key that depends on the namespace and model only (cached: a

@@ -7,8 +7,9 @@ reserves the header area in every slot. `StorageBackend` implements the public m
 four raw operations (`_exists`, `_read_into`, `_write_from`, `_remove`) plus its probes.
 
 Failure model:
-- A whole call that cannot reach the store (service down, timeout, disk full, permission)
-  raises `BackendUnavailable`; nothing is retried here (the controller owns backoff).
+- A whole call that cannot reach the store (service down, timeout, permission) raises
+  `BackendUnavailable`; nothing is retried here (the controller owns backoff). A full
+  store refuses writes per key (`PutStatus.FAILED`): it still serves what it holds.
 - Per-key outcomes are enums (`GetStatus`, `PutStatus`), never bare bools.
 - A corrupt or wrong-sized object is `GetStatus.CORRUPT`: counted, and the WHOLE buffer
   (header and payload) is zeroed, so no byte of it can be served by mistake.
@@ -51,6 +52,7 @@ import numpy as np
 
 from hicache.arrays import any_of
 from hicache.errors import BackendUnavailable, InvalidArgument, ObjectCorrupt
+from hicache.keys import CANARY_PREFIX
 from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage.bounded import BoundedCaller
 from hicache.tiers.storage.integrity import (
@@ -505,7 +507,9 @@ class StorageBackend(abc.ABC):
             raise
 
     def _canary_round_trip(self) -> None:
-        key = f"hicache-canary/{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+        # Under the prefix of every key the daemon writes: a store account limited to it
+        # (a Redis ACL `~hc2/*`) must pass the check it passes in service.
+        key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
         size = HEADER_BYTES + CANARY_PAYLOAD
         with self._canary_lock:
             src, dst = self._canary_area[:size], self._canary_area[size:]

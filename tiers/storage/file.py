@@ -13,8 +13,10 @@ another node removed is simply a miss here.
 Threads (`storage.file.threads`): one call's checks, reads and writes spread over threads
 by filesystem (`fanout.py`): few on a local one, many on a shared one.
 
-Every OSError other than "no such file" (ENOSPC, EACCES, EROFS, EIO, ...) raises
-`BackendUnavailable`, as does a call that exceeds `storage.timeout_s` (a hung NFS mount).
+Every OSError other than "no such file" (EACCES, EROFS, EIO, ...) raises
+`BackendUnavailable`, as does a call that exceeds `storage.timeout_s` (a hung NFS mount);
+a full disk or quota (ENOSPC, EDQUOT) fails the write's keys instead (`PutStatus.FAILED`),
+as a full Redis or Mooncake does: reads go on.
 """
 
 from __future__ import annotations
@@ -403,6 +405,14 @@ class FileBackend(StorageBackend):
                     _bad_path.warning(path, "file: cannot store %s there (%s)", path, e.strerror)
                     out.append(PutStatus.FAILED)
                     continue
+                if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
+                    # A full disk (or quota) refuses writes, not reads: this key and the
+                    # batch's rest fail as a full Redis or Mooncake refuses keys, and only
+                    # the write breaker opens; what the directory holds is still served.
+                    _bad_path.warning(self.root, "file: %s is full (%s): backups fail until "
+                                      "there is room", self.root, e.strerror)
+                    out.extend([PutStatus.FAILED] * (len(keys) - len(out)))
+                    return out
                 if isinstance(e, OSError):
                     raise _unavailable(path, e) from None
                 raise
@@ -497,6 +507,8 @@ _ABSENT_ERRNOS = frozenset({errno.ESTALE, errno.ENOTDIR})
 # Errors of a write or an unlink that say something other than our object or folder sits
 # on the key's path (ENOENT: a dangling link where its folder belongs): that key only.
 _BAD_PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENOENT, errno.EEXIST})
+# A write refused for room: the store is full, not down.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:

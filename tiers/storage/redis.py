@@ -20,6 +20,7 @@ import redis
 
 from hicache.config import RedisStorageConfig, redact_url
 from hicache.errors import BackendUnavailable
+from hicache.keys import CANARY_PREFIX
 from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,9 @@ log = logging.getLogger(__name__)
 _DOWN = (redis.RedisError, OSError)
 
 
-GETEX_PROBE_KEY = "hicache-getex-probe"  # never stored: asking for it tells if GETEX exists
+# Never stored: asking for it tells if GETEX exists (under the page keys' prefix, which an
+# ACL user of the daemon may be limited to).
+GETEX_PROBE_KEY = f"{CANARY_PREFIX}getex-probe"
 
 
 class RedisBackend(StorageBackend):
@@ -46,13 +49,17 @@ class RedisBackend(StorageBackend):
         self._getex: bool | None = None  # whether the server has GETEX (asked at first need)
 
     def start(self) -> None:
-        pool = redis.BlockingConnectionPool.from_url(
-            self.cfg.url,
-            max_connections=self.cfg.pool_size,
-            timeout=self.timeout_s,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-        )
+        try:
+            pool = redis.BlockingConnectionPool.from_url(
+                self.cfg.url,
+                max_connections=self.cfg.pool_size,
+                timeout=self.timeout_s,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+            )
+        except ValueError:  # (the configuration checks the URL first: not expected here)
+            raise BackendUnavailable(
+                f"redis {redact_url(self.cfg.url)}: redis-py cannot read the URL") from None
         self._pool, self._client = pool, redis.Redis(connection_pool=pool)
         log.info(
             "L3 redis backend: %s, batch %d, pool %d, ttl %s",
