@@ -443,11 +443,12 @@ class Transfers:
         """write_through: a slot whose copy found no room in L2 (its pages held by L3
         writes in flight) leaves L1 as under write_back (`_l1_victim`), or its data would
         leave every tier. Any other slot is in L2 already: nothing to do."""
-        if self._uncopied.get(id(victim.node)) is not victim.node:
+        node = victim.node
+        if self._uncopied.get(id(node)) is not node:
             return False
         if self._l1_victim(victim):
             return True  # kept (still uncopied): tried again at the next eviction
-        del self._uncopied[id(victim.node)]
+        del self._uncopied[id(node)]
         return False
 
     def _l2_victim(self, victim: Victim) -> None:
@@ -818,6 +819,8 @@ class Transfers:
                 if (self.tree.hits(node) >= threshold and self.tree.is_resident(node, FULL, Tier.DEVICE)
                         and not self.tree.is_resident(node, FULL, Tier.HOST)):
                     self._backup_to_host_or_count(node, "selective write-through")
+                    if not self.tree.is_resident(node, FULL, Tier.HOST):
+                        self._note_uncopied(node)  # (no room: copied when it leaves L1)
         self._maybe_l3(m.path)
 
     def _maybe_l3(self, nodes: tuple[object, ...] | list[object]) -> None:
