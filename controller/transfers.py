@@ -41,7 +41,7 @@ _failed = ThrottledLog(log)  # a broken copy engine fails every backup: one reco
 
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
-MAX_UNCOPIED = 4096  # write_through nodes remembered as not copied for lack of room
+MAX_UNCOPIED = 4096  # write-through nodes remembered as not copied for lack of room
 BACKPRESSURE_S = 5.0  # longest an allocation waits for queued copies to free room
 LOAD_WAIT_S = 2.0  # longest a load waits for another load copying the same slots
 L1_VICTIM_WAIT_S = 0.1  # longest an L1 allocation waits for room in L2 for its victims' copies
@@ -440,9 +440,10 @@ class Transfers:
                 self._uncopied.popitem(last=False)
 
     def _l1_victim_uncopied(self, victim: Victim) -> bool:
-        """write_through: a slot whose copy found no room in L2 (its pages held by L3
-        writes in flight) leaves L1 as under write_back (`_l1_victim`), or its data would
-        leave every tier. Any other slot is in L2 already: nothing to do."""
+        """write_through (and a selective node whose copy was due): a slot whose copy found
+        no room in L2 (its pages held by L3 writes in flight, or by locks) leaves L1 as
+        under write_back (`_l1_victim`), or its data would leave every tier. Any other slot
+        is in L2 already (or, selective, was never due): nothing to do."""
         node = victim.node
         if self._uncopied.get(id(node)) is not node:
             return False
