@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from engine_sim import evict_all, flushed, seq, toks, wait_prefetch
+from engine_sim import CopyGate, Loader, evict_all, flushed, seq, toks, wait_prefetch
 
 from hicache.config import ConfigError, load_config, redact_url
 from hicache.controller import transfers as transfers_mod
@@ -39,69 +39,6 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return check()
-
-
-class CopyGate:
-    """Holds every L2 -> L1 copy until `open()`; optionally makes the held copies fail."""
-
-    def __init__(self, ctl) -> None:  # type: ignore[no-untyped-def]
-        self.ctl = ctl
-        self.gate = threading.Event()
-        self.cond = threading.Condition()
-        self.reached = 0
-        self.fail = False
-        copier = ctl.transfers.copier
-        self.original = copier.host_to_device
-
-        def held(*args, **kwargs):  # type: ignore[no-untyped-def]
-            with self.cond:
-                self.reached += 1
-                mine = self.reached
-                self.cond.notify_all()
-            assert self.gate.wait(10), "copy gate never opened"
-            if self.fail and mine == 1:
-                raise OSError("injected copy failure")
-            return self.original(*args, **kwargs)
-
-        copier.host_to_device = held
-
-    def wait_reached(self, n: int, timeout_s: float = 10.0) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.reached >= n, timeout_s), (
-                f"{self.reached} of {n} copies reached the gate")
-
-    def open(self) -> None:
-        self.gate.set()
-
-    def restore(self) -> None:
-        self.gate.set()
-        self.ctl.transfers.copier.host_to_device = self.original
-
-
-class Loader(threading.Thread):
-    def __init__(self, ctl, engine_id: str, lock_id: int) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(daemon=True)
-        self.ctl, self.engine_id, self.lock_id = ctl, engine_id, lock_id
-        self.messages: list = []
-        self.error: BaseException | None = None
-        self.started_at = self.ended_at = 0.0
-
-    def run(self) -> None:
-        self.started_at = time.monotonic()
-        try:
-            for msg in self.ctl.load(self.engine_id, self.lock_id):
-                self.messages.append(msg)
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.ended_at = time.monotonic()
-
-    def result(self, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-        self.join(timeout_s)
-        assert not self.is_alive(), "load did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.messages
 
 
 def loads_running(ctl) -> int:  # type: ignore[no-untyped-def]

@@ -32,7 +32,7 @@ from hicache.types import ComponentKind, Tier
 from .daemonkit import Daemon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from engine_sim import Engine, built_controllers, evict_all, seq
+from engine_sim import CopyGate, Engine, Loader, built_controllers, evict_all, seq
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 _instances = itertools.count()
@@ -45,66 +45,6 @@ _instances = itertools.count()
 def make_ctl(tmp_path: Path) -> Iterator[Callable[..., object]]:
     with built_controllers(tmp_path, "lc") as factory:
         yield factory
-
-
-class CopyGate:
-    """Holds every L2 -> L1 copy (each load's `host_to_device`) until `open()`; counts
-    the copies that reached the gate."""
-
-    def __init__(self, ctl) -> None:  # type: ignore[no-untyped-def]
-        self.ctl = ctl
-        self.gate = threading.Event()
-        self.cond = threading.Condition()
-        self.reached = 0
-        copier = ctl.transfers.copier
-        self.original = copier.host_to_device
-
-        def held(*args, **kwargs):  # type: ignore[no-untyped-def]
-            with self.cond:
-                self.reached += 1
-                self.cond.notify_all()
-            assert self.gate.wait(10), "copy gate never opened"
-            return self.original(*args, **kwargs)
-
-        copier.host_to_device = held
-
-    def wait_reached(self, n: int, timeout_s: float = 10.0) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.reached >= n, timeout_s), (
-                f"{self.reached} of {n} copies reached the gate"
-            )
-
-    def open(self) -> None:
-        self.gate.set()
-
-    def restore(self) -> None:
-        self.gate.set()
-        self.ctl.transfers.copier.host_to_device = self.original
-
-
-class Loader(threading.Thread):
-    """Runs `ctl.load(engine, lock_id)` to its end on a thread; keeps the messages or
-    the error."""
-
-    def __init__(self, ctl, engine_id: str, lock_id: int) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(daemon=True)
-        self.ctl, self.engine_id, self.lock_id = ctl, engine_id, lock_id
-        self.messages: list = []
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for msg in self.ctl.load(self.engine_id, self.lock_id):
-                self.messages.append(msg)
-        except BaseException as e:  # (kept for the test to look at)
-            self.error = e
-
-    def result(self, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-        self.join(timeout_s)
-        assert not self.is_alive(), "load did not finish"
-        if self.error is not None:
-            raise self.error
-        return self.messages
 
 
 def in_l2_only(ctl, eng: Engine, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
