@@ -242,17 +242,10 @@ class Transfers:
                 break
             left = deadline - time.monotonic()
             kind, n = short[0]
-            if n > allocators[kind].total:  # (no eviction and no copy can make room)
-                raise ResourceExhausted(f"L1 {kind.value}: {n} pages needed, the pool has "
-                                        f"{allocators[kind].total}")
-            if not self._queued_l2 or self._evicting or left <= 0:
-                raise ResourceExhausted(
-                    f"L1 {kind.value}: {n} pages needed, {allocators[kind].free_count} free and "
-                    "the rest locked or held by allocations"
-                )
-            self.stats["allocation_waits"] += 1
-            self._schedule_l2_flush(urgent=True)
-            self.landed.wait(min(left, 0.05))
+            # (past the pool's size no eviction and no copy can make room)
+            if n > allocators[kind].total or not self._queued_l2 or self._evicting or left <= 0:
+                raise self._no_room(Tier.DEVICE, kind, n)
+            self._wait_for_copies(left)
         got: dict[ComponentKind, np.ndarray] = {}
         try:
             for kind, n in need.items():
@@ -276,10 +269,7 @@ class Transfers:
         if alloc.free_count >= n:
             return alloc.allocate(n)
         if n > alloc.total:  # no eviction can make room: do not empty the pool trying
-            raise ResourceExhausted(
-                f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed, "
-                f"the pool has {alloc.total}"
-            )
+            raise self._no_room(tier, kind, n)
         deadline = time.monotonic() + wait_s
         kept_until: float | None = None
         while True:
@@ -308,13 +298,24 @@ class Transfers:
                        or (tier is Tier.HOST and any(self._parked_l2.values())))
             left = deadline - time.monotonic()
             if not pending or self._evicting or left <= 0:
-                raise ResourceExhausted(
-                    f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed, "
-                    f"{alloc.free_count} free and the rest locked or held by allocations"
-                )
-            self.stats["allocation_waits"] += 1
-            self._schedule_l2_flush(urgent=True)  # a held flush must not be waited for
-            self.landed.wait(min(left, 0.05))
+                raise self._no_room(tier, kind, n)
+            self._wait_for_copies(left)
+
+    def _no_room(self, tier: Tier, kind: ComponentKind, n: int) -> ResourceExhausted:
+        """Caller holds the mutex. What an allocation of `n` pages that cannot be made says."""
+        alloc = self._allocators[tier][kind]
+        where = f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed"
+        if n > alloc.total:
+            return ResourceExhausted(f"{where}, the pool has {alloc.total}")
+        return ResourceExhausted(f"{where}, {alloc.free_count} free and the rest locked or held "
+                                 "by allocations")
+
+    def _wait_for_copies(self, left: float) -> None:
+        """Caller holds the mutex (released meanwhile). An allocation short of room waits a
+        moment for queued copies to land (a held flush goes now: never waited for)."""
+        self.stats["allocation_waits"] += 1
+        self._schedule_l2_flush(urgent=True)
+        self.landed.wait(min(left, 0.05))
 
     def _reachable(self, tier: Tier, kind: ComponentKind) -> int:
         """Caller holds the mutex. At most how many pages of the pool could be free after

@@ -103,4 +103,6 @@ class SessionTable:
             self._by_end.setdefault(id(end), {})[session_id] = session
 
     def ended_at(self, node: Node) -> list[tuple[str, Session]]:
-        return list(self._by_end.get(id(node), {}).items())
+        """The open sessions ending at `node` (a copy: `set_end` may move them)."""
+        at = self._by_end.get(id(node))  # (every node deleted asks: usually none)
+        return list(at.items()) if at else []

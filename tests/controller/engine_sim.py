@@ -284,6 +284,15 @@ class CopyGate:
 
         copier.host_to_device = held
 
+    def held_load(self, engine_id: str, lock_id: int) -> Loader:
+        """`ctl.load(engine_id, lock_id)` started on a thread, returned once its copy is
+        held here."""
+        loader = Loader(self.ctl, engine_id, lock_id)
+        reached = self.reached
+        loader.start()
+        self.wait_reached(reached + 1)
+        return loader
+
     def wait_reached(self, n: int, timeout_s: float = 10.0) -> None:
         with self.cond:
             assert self.cond.wait_for(lambda: self.reached >= n, timeout_s), (

@@ -287,9 +287,7 @@ def test_a_lock_released_while_its_load_waits_is_not_found_and_takes_nothing(mak
     ctl, eng, a, mx, my = _two_locks_on_one_l2_path(make)
     gate = CopyGate(ctl)
     try:
-        lx = Loader(ctl, "x", mx.lock_id)
-        lx.start()
-        gate.wait_reached(1)
+        lx = gate.held_load("x", mx.lock_id)
         ly = Loader(ctl, "y", my.lock_id)
         ly.start()
         time.sleep(0.2)  # (y waits for x's copy)
@@ -318,9 +316,7 @@ def test_a_waiting_load_copies_itself_when_the_load_it_waited_for_fails(make) ->
     gate = CopyGate(ctl)
     gate.fail = True  # the first copy (x's) fails
     try:
-        lx = Loader(ctl, "x", mx.lock_id)
-        lx.start()
-        gate.wait_reached(1)
+        lx = gate.held_load("x", mx.lock_id)
         ly = Loader(ctl, "y", my.lock_id)
         ly.start()
         time.sleep(0.2)
@@ -347,9 +343,7 @@ def test_a_load_waits_at_most_load_wait_s_then_copies_and_one_copy_stays(make, m
     ctl, eng, a, mx, my = _two_locks_on_one_l2_path(make)
     gate = CopyGate(ctl)
     try:
-        lx = Loader(ctl, "x", mx.lock_id)
-        lx.start()
-        gate.wait_reached(1)
+        lx = gate.held_load("x", mx.lock_id)
         ly = Loader(ctl, "y", my.lock_id)
         ly.start()
         gate.wait_reached(2)  # after 0.3 s y copies on its own
@@ -402,9 +396,7 @@ def test_no_load_stays_registered(make, how: str) -> None:
             assert not first.is_alive()
             stream.close()
         else:
-            loader = Loader(ctl, "e1", m.lock_id)
-            loader.start()
-            gate.wait_reached(1)
+            loader = gate.held_load("e1", m.lock_id)
             assert loads_running(ctl) == 1
             if how == "lock-released":
                 ctl.release("e1", m.lock_id, None)
@@ -535,9 +527,7 @@ def test_a_split_of_the_path_while_a_load_waits_lands_once_with_the_right_bytes(
     ctl, eng, a, mx, my = _two_locks_on_one_l2_path(make)
     gate = CopyGate(ctl)
     try:
-        lx = Loader(ctl, "x", mx.lock_id)
-        lx.start()
-        gate.wait_reached(1)
+        lx = gate.held_load("x", mx.lock_id)
         ly = Loader(ctl, "y", my.lock_id)
         ly.start()
         time.sleep(0.1)

@@ -107,9 +107,7 @@ def test_two_engines_loading_one_path_evict_for_one_copy_only(make_ctl) -> None:
     my = ctl.match("y", MatchRequest("", a, lock=True))
     gate = CopyGate(ctl)
     try:
-        lx = Loader(ctl, "x", mx.lock_id)
-        lx.start()
-        gate.wait_reached(1)
+        lx = gate.held_load("x", mx.lock_id)
         ly = Loader(ctl, "y", my.lock_id)
         ly.start()
         time.sleep(0.3)  # (a copy of its own would reach the gate meanwhile)
