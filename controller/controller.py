@@ -56,7 +56,6 @@ from hicache.types import (
     PrefetchPolicy,
     StorageBackendName,
     Tier,
-    WritePolicy,
 )
 
 log = logging.getLogger("hicache.controller")
@@ -860,8 +859,10 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
     tree = HiRadixTree(cfg.model.page_size, kinds, cfg.eviction.policy, cfg.model.id,
                        cfg.model.kv_dtype, cfg.eviction.closed_session_tombstones,
                        cfg.model.geometry,
-                       # write-back L1 -> L2 copies a slot leaving L1 first
-                       (Tier.DEVICE,) if cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK else (),
+                       # An L1 slot can always be copied to L2 as it leaves: under
+                       # write-back each is; under write-through the last copy of a node
+                       # with children, whose copy was never made (`_copy_stranded`).
+                       (Tier.DEVICE,),
                        cfg.eviction.max_open_sessions)
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None

@@ -374,22 +374,38 @@ class Transfers:
         alloc = self._allocators[tier][kind]
         target = alloc.free_count + n
         for victim_kind in dict.fromkeys((kind, FULL)):
-            short = target - alloc.free_count
-            if short <= 0:
-                break
-            callback = self._victim_callback(tier)
-            self._evicting += 1
-            try:
-                result = self.tree.evict(tier, victim_kind, short, before_drop=callback)
-            finally:
-                self._evicting -= 1
-            free = self.free_l1 if tier is Tier.DEVICE else self.free_l2
-            for k, ids in result.freed.items():
-                free(k, ids)  # host pages a write-back job holds are parked, not freed
-            # FULL pages are the tier's pages (`evictions_<tier>`); other components' slots
-            # leaving alone are counted apart.
-            suffix = "" if victim_kind is FULL else f"_{victim_kind.value}"
-            self.stats[f"evictions_{tier.name.lower()}{suffix}"] += result.evicted_pages
+            for _ in range(2):  # a second pass where nodes it kept can go now
+                short = target - alloc.free_count
+                if short <= 0:
+                    break
+                callback = self._victim_callback(tier)
+                self._evicting += 1
+                try:
+                    result = self.tree.evict(tier, victim_kind, short, before_drop=callback)
+                finally:
+                    self._evicting -= 1
+                free = self.free_l1 if tier is Tier.DEVICE else self.free_l2
+                for k, ids in result.freed.items():
+                    free(k, ids)  # host pages a write-back job holds are parked, not freed
+                # FULL pages are the tier's pages (`evictions_<tier>`); other components'
+                # slots leaving alone are counted apart.
+                suffix = "" if victim_kind is FULL else f"_{victim_kind.value}"
+                self.stats[f"evictions_{tier.name.lower()}{suffix}"] += result.evicted_pages
+                if not result.stranded or not self._copy_stranded(tier, result.stranded):
+                    break
+
+    def _copy_stranded(self, tier: Tier, nodes: tuple[object, ...]) -> bool:
+        """Caller holds the mutex. `nodes` were kept by an eviction of `tier`: each is the
+        last copy of a node with children. Under write-through its copy to L2 was never
+        made (a match split a node whose copy found no room, a selective copy not due):
+        it is copied as it leaves L1, as `_uncopied` nodes are (True: evict again), or
+        it would stay forever. Under write-back the eviction's callback tried already."""
+        if tier is not Tier.DEVICE or self.cfg.write.l1_to_l2 is WritePolicy.WRITE_BACK:
+            return False
+        fresh = [node for node in nodes if self._uncopied.get(id(node)) is not node]
+        for node in fresh:
+            self._note_uncopied(node)
+        return bool(fresh)
 
     # ------------------------------------------------------------------ write policies
 

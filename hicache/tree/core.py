@@ -1220,6 +1220,7 @@ class HiRadixTree:
         queue.unpark()
         freed: dict[ComponentKind, list[np.ndarray]] = {c.kind: [] for c in self.components}
         evicted = victims = 0
+        stranded: list[Node] = []
         while evicted < num_pages:
             node = queue.pop()
             if node is None:
@@ -1239,8 +1240,9 @@ class HiRadixTree:
                     and not target.mask[FULL_INDEX] & _PAGED_MASK & ~(1 << tier)):
                 # The last copy of a node with children (a `backed_up_tiers` candidate
                 # whose copy could not be made: no room, a failed copy) stays; the next
-                # eviction tries it again.
+                # eviction tries it again. The caller is told: it may copy it.
                 queue.park(target)
+                stranded.append(target)
                 continue
             before = self._resident[tier][comp.index]
             self._drop(target, comp, tier, freed)
@@ -1252,6 +1254,7 @@ class HiRadixTree:
             evicted_pages=evicted,
             freed={k: _cat(v) for k, v in freed.items()},
             victims=victims,
+            stranded=tuple(stranded),
         )
 
     def _victim(self, node: Node, comp: Component, tier: int) -> Victim:

@@ -83,3 +83,6 @@ class EvictResult:
     evicted_pages: int  # pages of the requested component that left the tier
     freed: Mapping[ComponentKind, np.ndarray]  # every page id that left (to free)
     victims: int
+    # Nodes kept because their slot in the tier is the last copy of a node with children
+    # (a copy that found no room, or was never made): they stay until a copy is made.
+    stranded: tuple[NodeHandle, ...] = ()

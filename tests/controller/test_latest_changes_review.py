@@ -64,10 +64,6 @@ def test_a_due_copy_without_room_is_made_when_the_node_leaves_l1(make, policy) -
     assert _in(ctl, hot, Tier.HOST)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _uncopied remembers the node object; a match "
-                   "that splits an uncopied node leaves its new head unremembered: the head, "
-                   "the last copy of a node with children, is parked by every L1 eviction "
-                   "and stays in L1 (its pages reachable but never freed)")
 def test_an_uncopied_node_split_by_a_match_is_copied_whole_when_it_leaves_l1(make) -> None:
     ctl = make(l1_tokens=64, write__l1_to_l2="write_through", write__l2_to_l3="write_through",
                storage__backend="none")

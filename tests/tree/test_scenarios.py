@@ -579,7 +579,12 @@ def test_a_write_back_tier_evicts_an_interior_node_once_its_child_left() -> None
 
     assert list(tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up).freed[FULL]) == [3, 4]
     copy[0] = False  # no room in L2, say: A must stay (the path would be cut)
-    assert tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up).evicted_pages == 0
+    kept = tree.evict(Tier.DEVICE, FULL, 2, before_drop=back_up)
+    assert kept.evicted_pages == 0
+    assert len(kept.stranded) == 1  # the caller is told, so that it may copy A
+    a = tree.match("", seq(0, 8), lock=True).lock
+    assert kept.stranded == (a.end,)
+    tree.unlock(a)
     tree.check_integrity()  # (A is still queued: the audit checks every candidate is)
     assert tree.match("", seq(0, 16)).device_tokens == 8
     copy[0] = True
