@@ -307,8 +307,17 @@ class Transfers:
         where = f"L{1 if tier is Tier.DEVICE else 2} {kind.value}: {n} pages needed"
         if n > alloc.total:
             return ResourceExhausted(f"{where}, the pool has {alloc.total}")
-        return ResourceExhausted(f"{where}, {alloc.free_count} free and the rest locked or held "
-                                 "by allocations")
+        # What holds the rest, so that an operator can tell a leak from a busy cache.
+        cached = self.tree.resident_pages(tier, kind)
+        locked = self.tree.locked_pages(tier, kind)
+        parked = len(self._parked_l2.get(kind, ())) if tier is Tier.HOST else 0
+        held = max(0, alloc.total - alloc.free_count - cached - parked)
+        holders = ("engine allocations and loads" if tier is Tier.DEVICE
+                   else "copies under way and L3 writes in flight")
+        return ResourceExhausted(
+            f"{where}, {alloc.free_count} of {alloc.total} free: {locked} cached and locked, "
+            f"{cached - locked} cached and unlocked (too few, or copies queued or waiting for "
+            f"room below pin them), {held + parked} held by {holders}")
 
     def _wait_for_copies(self, left: float) -> None:
         """Caller holds the mutex (released meanwhile). An allocation short of room waits a

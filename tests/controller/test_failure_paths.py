@@ -39,6 +39,23 @@ def test_a_match_whose_allocation_fails_keeps_no_lock_and_no_page(make) -> None:
     assert {k: ctl.counters[k] for k in counted} == counted
 
 
+def test_an_allocation_without_room_says_what_holds_the_pool(make) -> None:
+    """An operator reading a ResourceExhausted tells a leak (pages held by allocations)
+    from a busy cache (locked pages): the message counts each."""
+    ctl = make(l1_tokens=64)  # 16 L1 pages
+    eng = Engine(ctl)
+    eng.request(seq(4))
+    assert ctl.transfers.drain(10)
+    lock = ctl.match("e1", MatchRequest("", seq(4), lock=True)).lock_id  # 4 cached, locked
+    ctl.allocate("e1", AllocateRequest("", 4 * 10))  # 10 held by an allocation
+    with pytest.raises(ResourceExhausted) as e:
+        ctl.allocate("e1", AllocateRequest("", 4 * 3))
+    assert ("3 pages needed, 2 of 16 free: 4 cached and locked, 0 cached and unlocked"
+            in str(e.value)), e.value
+    assert "10 held by engine allocations and loads" in str(e.value)
+    ctl.release("e1", lock, None)
+
+
 def test_an_allocation_short_of_one_component_takes_none_of_the_others(make) -> None:
     """Hybrid model, MAMBA slots used up: the FULL/SWA pages taken before the MAMBA slot
     failed go back (they belonged to no allocation, and no lease would ever free them)."""
