@@ -145,6 +145,7 @@ class Transfers:
         # writes in flight), copied as they leave L1 (`_l1_victim_uncopied`); while there
         # are none, L1 evictions take no callback (it cost ~5 us an evicted node).
         self._uncopied: OrderedDict[int, object] = OrderedDict()
+        self.tree.on_split = self._split_uncopied
         # L1->L2 write-through copies waiting for the copy worker's next flush, in order;
         # their pages (FULL's), and when the oldest was queued.
         self._pending_l2: list[HostCopy] = []
@@ -441,19 +442,21 @@ class Transfers:
         node = victim.node
         self._backup_to_host_or_count(node, "write-back")
         full = victim.pages.get(FULL)
-        if (full is not None and self.tree.is_leaf(node)
-                and not self.tree.is_resident(node, FULL, Tier.HOST)
+        if (full is not None and not self.tree.is_resident(node, FULL, Tier.HOST)
                 and not self.tree.is_resident(node, FULL, Tier.STORAGE)):
             if self._defer_l1_victims and self._parked_l2.get(FULL):
                 # L2 is short only of pages L3 write-backs hold (the L2 slot this eviction
                 # took to make room among them): room comes once they land. The slot stays
                 # in L1 meanwhile while other victims can go; an allocation that needs it
-                # gone takes it (`_allocate`): nothing on the serving path waits on L3.
+                # gone waits a moment, then takes it (`_allocate`): nothing on the serving
+                # path waits on L3. (A node with children too: it could not go at all.)
                 self.stats["l1_evictions_deferred"] += 1
                 return True
-            # No room in L2 (or a failed copy): a leaf's last copy leaves the cache (a node
-            # with children stays, `tree.evict`). Counted in FULL pages, as L2 -> L3 does.
-            self.stats["backups_dropped"] += len(full)
+            if self.tree.is_leaf(node):
+                # No room in L2 (or a failed copy): a leaf's last copy leaves the cache (a
+                # node with children stays, `tree.evict`). Counted in FULL pages, as
+                # L2 -> L3 does.
+                self.stats["backups_dropped"] += len(full)
         self._maybe_l3([node])  # (nothing without an L3, or where L2 got nothing)
         return False
 
@@ -465,6 +468,12 @@ class Transfers:
             if len(self._uncopied) > MAX_UNCOPIED:  # (the oldest most likely left L1)
                 self._uncopied.popitem(last=False)
 
+    def _split_uncopied(self, tail: object, head: object) -> None:
+        """Caller holds the mutex (the tree splits under it). A split node whose copy
+        is owed: its new head owes one too."""
+        if self._uncopied and self._uncopied.get(id(tail)) is tail:
+            self._note_uncopied(head)
+
     def _l1_victim_uncopied(self, victim: Victim) -> bool:
         """write_through (and a selective node whose copy was due): a slot whose copy found
         no room in L2 (its pages held by L3 writes in flight, or by locks) leaves L1 as
@@ -475,7 +484,10 @@ class Transfers:
             return False
         if self._l1_victim(victim):
             return True  # kept (still uncopied): tried again at the next eviction
-        del self._uncopied[id(node)]
+        # Forgotten once its FULL slot leaves L1 or has its copy: a checkpoint or window
+        # leaving alone (whose copy may have found no room either) leaves the debt owed.
+        if FULL in victim.pages or self.tree.is_resident(node, FULL, Tier.HOST):
+            del self._uncopied[id(node)]
         return False
 
     def _l2_victim(self, victim: Victim) -> None:
@@ -809,6 +821,11 @@ class Transfers:
                 self._note_uncopied(node)
                 continue
             span = self._span(node, len(moves[0][1]) if moves[0][0] is not MAMBA else 1)
+            if not copied:  # the copy failed: made when the slot leaves L1, as without room
+                self.stats["backups_l2_failed"] += 1
+                for part, _, _ in span:
+                    if self.tree.is_live(part) and not self.tree.is_resident(part, FULL, Tier.HOST):
+                        self._note_uncopied(part)
             for kind, _dev, host_ids in moves:
                 self._drop_in_flight(kind, host_ids)
                 if kind is MAMBA:

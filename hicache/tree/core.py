@@ -120,6 +120,9 @@ class HiRadixTree:
             raise ValueError("page_size must be > 0")
         self.page_size = page_size
         self.backed_up_tiers = frozenset(int(t) for t in backed_up_tiers)
+        # Called as `on_split(tail, head)` when a node is split (the original object stays
+        # the tail): for a caller that keeps per-node state outside the tree.
+        self.on_split: Callable[[Node, Node], None] | None = None
         self._pb = page_size * 4  # bytes of one page of token ids
         self.components: list[Component] = build_components(
             components or {ComponentKind.FULL: 0}, page_size
@@ -1013,6 +1016,8 @@ class HiRadixTree:
         for tier in range(PAGED_TIERS):
             for comp in self._others:
                 self._queues[tier][comp.index].offer(head)
+        if self.on_split is not None:
+            self.on_split(node, head)
         return head
 
     def _delete(self, node: Node) -> None:
