@@ -206,9 +206,13 @@ class L3Store:
         """Whether a key read back corrupt is still in the store (not ours to remove);
         one it removed needs no mark (a good copy another node writes is seen at once)."""
         try:
-            return self.backend.exists_prefix([key]) == 1
-        except BackendUnavailable:
+            with self.latency.timed(L3Op.EXISTS):  # (every L3 call is timed and counted)
+                there = self.backend.exists_prefix([key]) == 1
+        except BackendUnavailable as e:
+            self._failed(e)
             return True
+        self.breaker.success()
+        return there
 
     def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
               host_ids: np.ndarray) -> L3Written:

@@ -87,6 +87,7 @@ VERIFIED = -2
 # (Not 0: an EMPTY stored object is ours, torn, and is removed.)
 NOT_AN_OBJECT = -3
 CANARY_PAYLOAD = 4096
+CANARY_KEYS = 3  # fresh keys a deep check writes before it calls a refusing store unhealthy
 
 
 class GetStatus(enum.Enum):
@@ -509,22 +510,32 @@ class StorageBackend(abc.ABC):
     def _canary_round_trip(self) -> None:
         # Under the prefix of every key the daemon writes: a store account limited to it
         # (a Redis ACL `~hc2/*`) must pass the check it passes in service.
-        key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+        # A write refused for one key is that key's failure (a stray file where the file
+        # store's fan-out folder belongs, say), not the store's: fresh keys are tried, and
+        # only a store that refuses each is unhealthy.
         size = HEADER_BYTES + CANARY_PAYLOAD
         with self._canary_lock:
             src, dst = self._canary_area[:size], self._canary_area[size:]
-            src[HEADER_BYTES:] = np.frombuffer(os.urandom(CANARY_PAYLOAD), dtype=np.uint8)
-            dst[:] = 0
-            write_header(src, key)
-            try:
-                if self._write_from([key], [src]) != [PutStatus.STORED]:
-                    raise BackendUnavailable(f"{self.name}: canary write refused")
-                (got,) = self._read_into([key], [dst])
-                if got == MISSING:
-                    raise BackendUnavailable(f"{self.name}: canary written but not found")
-                check_object(dst, key, dst.nbytes if got == VERIFIED else got)
-            finally:
-                self._remove([key])
+            refused: list[str] = []
+            for _ in range(CANARY_KEYS):
+                key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+                src[HEADER_BYTES:] = np.frombuffer(os.urandom(CANARY_PAYLOAD), dtype=np.uint8)
+                dst[:] = 0
+                write_header(src, key)
+                try:
+                    (status,) = self._write_from([key], [src])
+                    if status is not PutStatus.STORED:
+                        refused.append(status.value)
+                        continue
+                    (got,) = self._read_into([key], [dst])
+                    if got == MISSING:
+                        raise BackendUnavailable(f"{self.name}: canary written but not found")
+                    check_object(dst, key, dst.nbytes if got == VERIFIED else got)
+                    return
+                finally:
+                    self._remove([key])
+            raise BackendUnavailable(f"{self.name}: canary write refused for {len(refused)} "
+                                     f"keys ({', '.join(refused)})")
 
 
 def verified(keys: Sequence[str], buffers: Sequence[np.ndarray], sizes: list[int]) -> list[int]:
