@@ -92,9 +92,19 @@ def describe(cfg: HicacheConfig) -> str:
 
 
 
+def _out(text: str) -> None:
+    """A command's report on stdout. A reader that went away (`hicache health | head -1`)
+    is no error of the command: the rest goes nowhere and its exit code stands."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # (stdout stays open on /dev/null: the interpreter's flush at exit finds no pipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file, args.set)
-    print(describe(cfg))
+    _out(describe(cfg))
     return 0
 
 
@@ -121,7 +131,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
     from hicache.ops import health_report
 
     report, rc = health_report(_target(args), args.deep, _token(args), _ca(args))
-    print(json.dumps(report, indent=2) if args.json else _render_health(report))
+    _out(json.dumps(report, indent=2) if args.json else _render_health(report))
     return rc
 
 
@@ -147,7 +157,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     report, rc = stats_report(_target(args), _token(args), _ca(args))
     if args.json or rc:
-        print(json.dumps(report, indent=2))
+        _out(json.dumps(report, indent=2))
         return rc
     lines = [f"{'tier':8} {'member':12} {'capacity':>10} {'used':>10} {'locked':>10}"]
     for p in report["pools"]:
@@ -157,7 +167,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         )
     lines.append("")
     lines.extend(f"{k}: {v}" for k, v in sorted(report["counters"].items()))
-    print("\n".join(lines))
+    _out("\n".join(lines))
     return 0
 
 
@@ -320,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A file named on the command line or in the config (certificate, token).
         print(f"hicache: {one_line(str(e.filename))}: {e.strerror}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # a benchmark's reader went away: its figures are lost
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("hicache: stdout was closed before the output was written", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
     cls = _BY_CODE.get(code.name)
     if cls is errors.Unavailable and code.name == "DEADLINE_EXCEEDED":
-        return cls(f"no answer in time ({message})")
+        return errors.NoAnswer(f"no answer in time ({message})")
     if cls is errors.Unavailable and code.name == "CANCELLED":
         return cls(f"the daemon ended the call ({message or 'cancelled'}): it is stopping or restarting")
     if cls is None:

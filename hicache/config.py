@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import ipaddress
 import math
 import mmap
 import os
@@ -535,15 +536,29 @@ class ServerConfig:
 
 
 def _same_socket(host: str, other: str) -> bool:
-    """Whether listeners on these two hosts of one port collide: the same host, or a
-    wildcard of their family (`0.0.0.0` every IPv4 address, and a name, which may resolve
-    to one; `[::]`, dual stack, every address)."""
-    if host == other or {host, other} & {"::", "[::]", ""}:
+    """Whether listeners on these two hosts of one port collide: the same address, a
+    wildcard of their family (`0.0.0.0` every IPv4 address; `[::]`, dual stack, every
+    address), or a host name, which may resolve to the other's address (`localhost`:
+    127.0.0.1 and ::1). Only two different literal addresses can share a port."""
+    if host == other:
         return True
-    if "0.0.0.0" in (host, other):
-        rest = other if host == "0.0.0.0" else host
-        return not rest.startswith("[")  # (an IPv6 address: the other family)
-    return False
+    a, b = _ip_literal(host), _ip_literal(other)
+    if a is None or b is None:
+        return True
+    if a.is_unspecified or b.is_unspecified:
+        dual_stack = any(x.version == 6 and x.is_unspecified for x in (a, b))
+        return dual_stack or a.version == b.version
+    return a == b
+
+
+def _ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None  # a host name (or empty: every address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,11 @@ class Unavailable(HicacheError):
     grpc_code_name = "UNAVAILABLE"
 
 
+class NoAnswer(Unavailable):
+    """Client side: the daemon did not answer within the call's deadline (it may be hung
+    or overloaded; asking it something else would wait as long again)."""
+
+
 class BackendUnavailable(Unavailable):
     """An L3 backend did not answer (connection refused, timeout, disk full, permission)."""
 

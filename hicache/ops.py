@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.client import Client
-from hicache.errors import HicacheError, Unauthenticated, Unavailable, Unimplemented
+from hicache.errors import HicacheError, NoAnswer, Unauthenticated, Unavailable, Unimplemented
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_UNREACHABLE = 0, 1, 2
 PROBE_TIMEOUT_S = 5.0
@@ -78,6 +78,8 @@ def stats_report(target: str, token: str | None = None,
         with _client(target, token, ca) as client:
             try:
                 snap = client.stats()
+            except NoAnswer:
+                raise  # hung: another question would wait as long again (a probe's deadline)
             except Unavailable as e:
                 # A daemon that is stopping refuses Stats but still answers the standard
                 # check: it is reachable (exit 1, as `health` says), not gone.

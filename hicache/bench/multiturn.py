@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-policy", default="wait_complete",
                    choices=["best_effort", "wait_complete", "timeout"])
     p.add_argument("--concurrency", type=positive_int, default=1, help="engine processes")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--prefill-tokens-per-s", type=positive_float, help="model uncached tokens as compute")
     p.add_argument("--compare", type=one_of(tuple(CONFIGS)),
                    help="comma list of l1, l1+l2, l1+l2+l3 run one after another")
@@ -374,6 +374,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--compare starts a daemon per configuration; it cannot use --target")
     if args.l2_tokens is not None and args.l2_tokens <= args.l1_tokens:
         raise UsageError(f"--l2-tokens: {args.l2_tokens} must exceed --l1-tokens ({args.l1_tokens})")
+    if args.l2_tokens is None and args.l2_ratio <= 1:  # (checked before a daemon starts)
+        raise UsageError(f"--l2-ratio: {args.l2_ratio} must be above 1 (L2 holds L1 and more)")
+    if "swa" in args.components.split(",") and args.swa_window % args.page_size:
+        raise UsageError(f"--swa-window: {args.swa_window} is not a multiple of --page-size "
+                         f"({args.page_size})")
     if args.plot:
         try:  # (checked before the runs, not after them)
             import matplotlib  # noqa: F401
