@@ -50,6 +50,7 @@ class AttachInfo:
     members: tuple[MemberSpec, ...]
     pools: tuple[PoolDescriptor, ...]
     lease_ms: int
+    daemon_run: str = ""  # the serving daemon's run (set by the server, not the core)
 
 
 @dataclass(frozen=True)

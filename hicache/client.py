@@ -47,6 +47,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicache.service import ENGINE_HEADER
+from hicache.service import ENGINE_HEADER, RUN_HEADER
 from hicache.tiers.base import PoolDescriptor, PoolKind
 from hicache.tiers.storage.base import BackendHealth
 
@@ -100,12 +101,19 @@ log = logging.getLogger("hicache.client")
 _INSTANCE_ID = uuid.uuid4().hex
 
 
-def _new_instance_id() -> None:
-    global _INSTANCE_ID
+# Forks of this process so far, in this process: a Client made before a fork refuses
+# calls in the child (gRPC channels do not survive fork(), and its heartbeat thread is not
+# in the child: the lease would lapse while the child works).
+_FORKS = 0
+
+
+def _after_fork_in_child() -> None:
+    global _INSTANCE_ID, _FORKS
     _INSTANCE_ID = uuid.uuid4().hex
+    _FORKS += 1
 
 
-os.register_at_fork(after_in_child=_new_instance_id)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
@@ -154,6 +162,12 @@ class Attachment:
 
     info: AttachInfo
     pools: dict[str, tuple[torch.Tensor, ...]]
+
+
+def _stop_beating(stop: threading.Event, wake: threading.Event) -> None:
+    """A Client's finalizer: its heartbeat thread ends (it holds no reference to it)."""
+    stop.set()
+    wake.set()
 
 
 class Client:
@@ -227,6 +241,9 @@ class Client:
         # Set to wake the heartbeat thread: to stop, or to wait the interval of a lease an
         # attach() changed (from now: the attach renewed the lease).
         self._heartbeat_wake = threading.Event()
+        # A Client dropped without close() (the heartbeat thread holds it weakly) stops
+        # beating once collected: its lease lapses and the daemon frees what it held.
+        weakref.finalize(self, _stop_beating, self._heartbeat_stop, self._heartbeat_wake)
         self._heartbeat_interval_s = 0.0
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat_mu = threading.Lock()
@@ -235,6 +252,7 @@ class Client:
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
         self._closed = False
+        self._pid, self._forks = os.getpid(), _FORKS  # (`_check_open`)
         # Releases a `matched()`/`allocation()` block could not make (the daemon was away
         # longer than the retries, or slower than the deadline): made before the next call
         # or heartbeat, which would otherwise renew the lease that keeps them held
@@ -356,6 +374,9 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise self._closed_error()
+        if self._forks != _FORKS:
+            raise FailedPrecondition(f"this Client was made in process {self._pid}, before "
+                                     "a fork(): make a new Client in the child")
 
     @staticmethod
     def _closed_error() -> FailedPrecondition:
@@ -397,7 +418,10 @@ class Client:
         )
         info = convert.attach_from_pb(r)
         self._tp_rank = tp_rank
-        self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id))
+        # Every later call names this run of the daemon: after a restart, calls through
+        # this attachment's (gone) pools are refused until `attach()` maps the new ones.
+        run = ((RUN_HEADER, info.daemon_run),) if info.daemon_run else ()
+        self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id), *run)
         self._keep_lease(info)  # before mapping, which may outlast a short lease
         pools: dict[str, tuple[torch.Tensor, ...]] = {}
         if map_pools:
@@ -433,45 +457,65 @@ class Client:
         )
 
     def _start_heartbeat(self) -> None:
+        # The thread holds the Client weakly, between beats: a Client dropped without
+        # close() is collected, and its finalizer stops the thread.
+        ref = weakref.ref(self)
+        stop, wake = self._heartbeat_stop, self._heartbeat_wake
+
         def loop() -> None:
             failing = False
             while True:
-                interval_s = self._heartbeat_interval_s
-                woken = self._heartbeat_wake.wait(interval_s)
-                if self._heartbeat_stop.is_set():
+                client = ref()
+                if client is None:
+                    return
+                interval_s = client._heartbeat_interval_s
+                del client
+                woken = wake.wait(interval_s)
+                if stop.is_set():
                     return
                 if woken:  # a new lease: its interval, from now
-                    self._heartbeat_wake.clear()
+                    wake.clear()
                     continue
-                attaches = self._attaches
-                try:
-                    self.heartbeat()
-                    failing = False
-                except (NotFound, FailedPrecondition) as e:
-                    if self._closed:  # (close() ended the beat under way: not a detach)
-                        return
-                    # The daemon does not know this engine (it restarted, or the lease
-                    # lapsed): every handle is gone and the pools may be new. Only a new
-                    # attach() mends that; heartbeating on would only log.
-                    with self._heartbeat_mu:
-                        if self._attaches != attaches:
-                            continue  # attached again while this beat was under way
-                        self._heartbeat_thread = None  # attach() starts a new one
-                        self.detached = e
-                    log.error("hicache daemon lost this engine (%s): call attach() again", e)
-                    if self.on_detached is not None:
-                        try:
-                            self.on_detached(e)
-                        except Exception:
-                            log.exception("on_detached callback failed")
+                client = ref()
+                if client is None:
                     return
-                except HicacheError as e:  # keep trying: the daemon may come back
-                    if not failing:
-                        log.warning("heartbeat failed: %s (retrying every %.1f s)", e, interval_s)
-                    failing = True
+                failing = client._beat(failing)
+                del client
+                if failing is None:
+                    return
 
         self._heartbeat_thread = threading.Thread(target=loop, name="hicache-heartbeat", daemon=True)
         self._heartbeat_thread.start()
+
+    def _beat(self, failing: bool) -> bool | None:
+        """One heartbeat of the thread: whether it failed (None: the thread ends)."""
+        attaches = self._attaches
+        try:
+            self.heartbeat()
+            return False
+        except (NotFound, FailedPrecondition) as e:
+            if self._closed:  # (close() ended the beat under way: not a detach)
+                return None
+            # The daemon does not know this engine (it restarted, or the lease lapsed):
+            # every handle is gone and the pools may be new. Only a new attach() mends
+            # that; heartbeating on would only log.
+            with self._heartbeat_mu:
+                if self._attaches != attaches:
+                    return failing  # attached again while this beat was under way
+                self._heartbeat_thread = None  # attach() starts a new one
+                self.detached = e
+            log.error("hicache daemon lost this engine (%s): call attach() again", e)
+            if self.on_detached is not None:
+                try:
+                    self.on_detached(e)
+                except Exception:
+                    log.exception("on_detached callback failed")
+            return None
+        except HicacheError as e:  # keep trying: the daemon may come back
+            if not failing:
+                log.warning("heartbeat failed: %s (retrying every %.1f s)", e,
+                            self._heartbeat_interval_s)
+            return True
 
     # ------------------------------------------------------------------ requests
 

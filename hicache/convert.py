@@ -203,12 +203,13 @@ def pool_from_pb(p: pb.Pool) -> PoolDescriptor:
     )
 
 
-def attach_to_pb(info: AttachInfo, tp_rank: int) -> pb.AttachResponse:
+def attach_to_pb(info: AttachInfo, tp_rank: int, daemon_run: str) -> pb.AttachResponse:
     return pb.AttachResponse(
         page_size=info.page_size,
         members=[member_to_pb(m) for m in info.members],
         pools=[pool_to_pb(d, tp_rank) for d in info.pools],
         lease_ms=info.lease_ms,
+        daemon_run=daemon_run,
     )
 
 
@@ -218,6 +219,7 @@ def attach_from_pb(r: pb.AttachResponse) -> AttachInfo:
         members=tuple(member_from_pb(m) for m in r.members),
         pools=tuple(pool_from_pb(p) for p in r.pools),
         lease_ms=r.lease_ms,
+        daemon_run=r.daemon_run,
     )
 
 

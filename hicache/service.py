@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -24,7 +25,14 @@ from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
 from hicache.config import header_value
 from hicache.controller.base import MAX_ENGINE_ID, CacheService, InsertRequest, MatchRequest
-from hicache.errors import DeadlineExceeded, HicacheError, InvalidArgument, PermissionDenied
+from hicache.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    HicacheError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
@@ -45,13 +53,41 @@ a third argument, the response message to fill."""
 FILLED_IN_PLACE = frozenset({"match_prefix", "insert"})
 
 
-def engine_of(context: grpc.ServicerContext) -> str:
+RUN_HEADER = "x-hicache-run"
+STALE_RUN = ("engine not attached to this run of the daemon: it restarted since the engine "
+             "attached, and the pools the engine mapped are gone; attach again")
+RELEASED_BY_RESTART = "a handle of an earlier run of the daemon: its restart released it"
+
+
+def caller_of(context: grpc.ServicerContext, run: str) -> tuple[str, bool]:
     """The caller's engine id from the metadata ("" when it sent none), scoped to the
-    caller's token (`scoped_engine`)."""
+    caller's token (`scoped_engine`), and whether it names another run of the daemon
+    (`RUN_HEADER`: it attached before a restart, so what it would write or read through
+    its old mappings is not this daemon's pools, and its handles are gone)."""
+    engine, stale = "", False
     for key, value in context.invocation_metadata():  # type: ignore[misc]
         if key == ENGINE_HEADER:
-            return scoped_engine(value if isinstance(value, str) else value.decode())
-    return ""
+            engine = scoped_engine(value if isinstance(value, str) else value.decode())
+        elif key == RUN_HEADER:
+            stale = value != run
+    return engine, stale
+
+
+def engine_of(context: grpc.ServicerContext, run: str) -> str:
+    """`caller_of`'s engine; a caller of an earlier run is refused."""
+    engine, stale = caller_of(context, run)
+    if stale:
+        raise FailedPrecondition(STALE_RUN)
+    return engine
+
+
+def _stale_op(kind: str | None) -> None:
+    """An op sent under an earlier run's header: a release finds its handle gone (the
+    restart released it); an attach goes through; anything else is refused."""
+    if kind == "release":
+        raise NotFound(RELEASED_BY_RESTART)
+    if kind != "attach":
+        raise FailedPrecondition(STALE_RUN)
 
 
 # A handle-making reply with less of the caller's deadline left than this is not sent:
@@ -120,6 +156,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def __init__(self, core: CacheService, max_tokens_per_request: int) -> None:
         self._core = core
         self._limit = max_tokens_per_request
+        self.run = secrets.token_hex(8)  # this run of the daemon (`RUN_HEADER`)
         # BatchOp's oneof field name -> op; also what each unary RPC calls.
         self._ops: dict[str, Op] = {
             "attach": self._attach,
@@ -147,6 +184,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return convert.attach_to_pb(
             self._core.attach(scoped_engine(r.engine_id), r.tp_rank, r.tp_size, r.instance_id),
             r.tp_rank,
+            self.run,
         )
 
     def _heartbeat(self, _engine: str, r: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
@@ -196,10 +234,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self._attach("", request)
 
     def Heartbeat(self, request: Any, context: grpc.ServicerContext) -> Any:
+        engine_of(context, self.run)  # (a client of an earlier run is told: it detaches)
         return self._heartbeat("", request)
 
     def MatchPrefix(self, request: Any, context: grpc.ServicerContext) -> Any:
-        engine = engine_of(context)
+        engine = engine_of(context, self.run)
         response = self._match(engine, request)
         if response.lock_id or response.allocation_id:
             self._drop_if_abandoned(
@@ -208,17 +247,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return response
 
     def Load(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        for progress in self._core.load(engine_of(context), request.lock_id):
+        for progress in self._core.load(engine_of(context, self.run), request.lock_id):
             yield convert.load_to_pb(progress)
 
     def PrefetchStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._prefetch_status(engine_of(context), request)
+        return self._prefetch_status(engine_of(context, self.run), request)
 
     def CancelPrefetch(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._cancel_prefetch(engine_of(context), request)
+        return self._cancel_prefetch(engine_of(context, self.run), request)
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:
-        engine = engine_of(context)
+        engine = engine_of(context, self.run)
         response = self._allocate(engine, request)
         if not request.allocation_id:  # (a grown allocation the engine knows already)
             self._drop_if_abandoned(context, engine, lambda: ([], [response.allocation_id]))
@@ -270,10 +309,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def Insert(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._hold_background_until_sent(context)
-        return self._insert(engine_of(context), request)
+        return self._insert(engine_of(context, self.run), request)
 
     def Release(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self._release(engine_of(context), request)
+        engine, stale = caller_of(context, self.run)
+        if stale:  # (its ids may name another handle of this run)
+            raise NotFound(RELEASED_BY_RESTART)
+        return self._release(engine, request)
 
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self._close_session("", request)
@@ -282,11 +324,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self._stats("", request)
 
     def Batch(self, request: Any, context: grpc.ServicerContext) -> Any:
-        engine = engine_of(context)
+        engine, stale = caller_of(context, self.run)
         principal = current_principal()
         response = pb.BatchResponse()
         self._hold_background_until_sent(context)  # and its ops' copies go in one flush
-        self._run_batch(request.ops, engine, principal, response)
+        self._run_batch(request.ops, engine, principal, response, stale)
         self._drop_if_abandoned(context, engine, lambda: _batch_handles(request, response))
         return response
 
@@ -299,7 +341,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         if not context.add_callback(release):  # already over
             release()
 
-    def _run_batch(self, ops_in: Any, engine: str, principal: Any, response: Any) -> None:
+    def _run_batch(self, ops_in: Any, engine: str, principal: Any, response: Any,
+                   stale: bool = False) -> None:
         restricted = not principal.unrestricted  # checked once per call, not per op
         ops = self._ops
         add_result = response.results.add
@@ -309,6 +352,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             try:
                 if kind is None:
                     raise InvalidArgument("empty op: set one of the BatchOp fields")
+                if stale:
+                    _stale_op(kind)
                 msg = getattr(op, kind)
                 if restricted:
                     principal.require_for(msg)

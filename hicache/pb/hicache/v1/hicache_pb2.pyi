@@ -115,16 +115,18 @@ class Pool(_message.Message):
     def __init__(self, member: _Optional[str] = ..., tp_rank: _Optional[int] = ..., kind: _Optional[_Union[PoolKind, str]] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., num_pages: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("page_size", "members", "pools", "lease_ms")
+    __slots__ = ("page_size", "members", "pools", "lease_ms", "daemon_run")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_RUN_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     lease_ms: int
-    def __init__(self, page_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    daemon_run: str
+    def __init__(self, page_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., lease_ms: _Optional[int] = ..., daemon_run: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "instance_id")
