@@ -780,9 +780,10 @@ class HybridCacheController(CacheService):
             counters["active_locks"] = self._engines.lock_count
             counters["active_allocations"] = self._engines.allocation_count
             counters["sessions_closed_for_room"] = self.tree.sessions_closed_for_room
+            # (exported from the start: 0 while no L3 is connected, down at start too)
+            counters["l3_breaker_trips"] = self.l3.breaker.trips if self.l3 is not None else 0
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
-                counters["l3_breaker_trips"] = self.l3.breaker.trips
         l3 = (self.l3.stats(),) if self.l3 is not None else ()
         if l3:  # the store's own evictions, in pages (an object holds one member's page)
             counters["evictions_storage"] = l3[0].evicted // len(self.cfg.model.members)

@@ -817,13 +817,37 @@ class _StrictLoader(yaml.SafeLoader):
         super().flatten_mapping(node)  # type: ignore[no-untyped-call]
 
 
-# YAML 1.2 reads `1e3` and `1.5E-3` as numbers; PyYAML's 1.1 rules need a dot and a signed
-# exponent (`1.0e+3`) and read the rest as strings, which a number key then refuses.
+# Numbers as YAML 1.2's core schema reads them, not PyYAML's 1.1 rules: `1e3` and `1.5E-3`
+# are numbers (1.1 needs a dot and a signed exponent), `0100` is 100 (1.1: octal 64),
+# `0o100` is 64 (1.1: a string), `1:30` is no number (1.1: 90, base 60), `0b101` neither.
+# Kept from 1.1: `_` between digits (`131_072`) and the yes/no/on/off booleans.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+                 |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.VERBOSE),
     list("-+0123456789."),
 )
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    text = text.lstrip("+-")
+    if text.startswith("0o"):
+        return sign * int(text[2:], 8)
+    if text.startswith("0x"):
+        return sign * int(text[2:], 16)
+    return sign * int(text, 10)
+
+
+_StrictLoader.add_constructor(_INT, _construct_int)
 
 
 def _plain_leaf(parts: typing.Sequence[str]) -> bool:
