@@ -916,10 +916,19 @@ class Transfers:
                     for kind, ids in pages.items():
                         # What L2 holds now must be what was written (or, after a split, its
                         # tail): an SWA tail replaced by a longer one is not all in L3.
+                        if self.tree.is_resident(node, kind, Tier.STORAGE):
+                            continue
                         now = self.tree.pages_of(node, kind, Tier.HOST)
-                        if (now is not None and len(now) <= len(ids)
-                                and np.array_equal(now, ids[len(ids) - len(now) :])
-                                and not self.tree.is_resident(node, kind, Tier.STORAGE)):
+                        if now is None:
+                            # The L2 slot left while the write ran (its pages parked under
+                            # it): keys are the content's, so a FULL slot or a checkpoint
+                            # still in L1 is what was written. (An SWA window may have
+                            # grown meanwhile: not known to be all in L3.)
+                            if (kind is not ComponentKind.SWA
+                                    and self.tree.is_resident(node, kind, Tier.DEVICE)):
+                                self.tree.set_resident(node, kind, Tier.STORAGE)
+                        elif (len(now) <= len(ids)
+                                and np.array_equal(now, ids[len(ids) - len(now) :])):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
 
         def run() -> None:
@@ -1180,14 +1189,22 @@ class Transfers:
                 if kinds := self.tree.slots_for_storage(node):
                     self.backup_to_storage(node, kinds)
         self.drain(max(0.0, deadline - time.monotonic()))
-        with self.ctl._mu:
-            for node in self.tree.iter_nodes():
-                if not self.tree.is_live(node):
-                    continue  # evicted by an earlier node's staging
-                self.backup_to_host(node)  # (any slot L1 holds and L2 lacks; else nothing)
-                if kinds := self.tree.slots_for_storage(node):
-                    self.backup_to_storage(node, kinds)
-        self.drain(max(0.0, deadline - time.monotonic()))
+        # Staging passes until one writes nothing more: staging a slot may evict one staged
+        # just before it, whose L2 pages stay parked until its write lands (no room comes
+        # from it meanwhile): the slot that found no room goes in the next pass.
+        left = self.unflushed_pages()
+        while True:  # (once at least: checkpoints and windows are no FULL pages)
+            with self.ctl._mu:
+                for node in self.tree.iter_nodes():
+                    if not self.tree.is_live(node):
+                        continue  # evicted by an earlier node's staging
+                    self.backup_to_host(node)  # (any slot L1 holds and L2 lacks; else nothing)
+                    if kinds := self.tree.slots_for_storage(node):
+                        self.backup_to_storage(node, kinds)
+            self.drain(max(0.0, deadline - time.monotonic()))
+            left, was = self.unflushed_pages(), left
+            if not left or left >= was or time.monotonic() >= deadline:
+                break  # (what is left cannot go: L3 refused it, or L2 has no room at all)
         return self.stats["backups_l3"] - before
 
     def unflushed_pages(self) -> int:
