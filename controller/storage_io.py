@@ -70,6 +70,7 @@ class L3Store:
         # A store that went down may come back without what it held (a restarted Redis
         # without persistence, a Mooncake master): what was known present is asked again.
         self.breaker.on_trip.append(self.cache.clear)
+        self._resets = backend.resets  # (a probe that finds it grew clears the cache too)
         self.errors = 0
         # Writes the store answered but refused (full, no eviction; a restarted master not
         # ready yet) trip this breaker only: backups stop, reads and lookups go on (a full
@@ -302,6 +303,9 @@ class L3Store:
         self.latency.record(L3Op.PROBE_DEEP if deep else L3Op.PROBE,
                             L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
                             time.perf_counter() - t0)
+        if self.backend.resets != self._resets:  # the store lost what it held
+            self._resets = self.backend.resets
+            self.cache.clear()
         return health
 
     def stats(self) -> L3Stats:

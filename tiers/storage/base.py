@@ -171,6 +171,9 @@ class StorageBackend(abc.ABC):
         self._canary_lock = threading.Lock()
         # Per-object warnings (a store full of junk would log one per page read).
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))
+        # Times a probe found the store had lost what it held (its caller then forgets
+        # what it knew present).
+        self.resets = 0
 
     # ------------------------------------------------------------------ public contract
 

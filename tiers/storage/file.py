@@ -118,6 +118,7 @@ class FileBackend(StorageBackend):
         self.fsync = cfg.fsync
         self.capacity_bytes = None if cfg.capacity_gb is None else int(cfg.capacity_gb * GiB)
         self._lru: OrderedDict[str, int] = OrderedDict()  # digest hex -> object bytes
+        self._folders: set[str] = set()  # fan-out folders the last probe found
         self._used = 0
         self._reserved = 0  # bytes of writes under way (`_reserve`)
         # Evicted from the index, file not unlinked yet: a read of one meanwhile must not
@@ -474,8 +475,12 @@ class FileBackend(StorageBackend):
                 with self._lock:
                     self._lru.clear()
                     self._used = 0
+                self._folders = set()
+                self.resets += 1
                 log.warning("L3 file backend: %s was removed; created it again (the objects "
                             "it held are gone)", self.root)
+            else:
+                self._forget_removed_folders()
             st = os.statvfs(self.root)
             if not os.path.isdir(self.root):
                 raise BackendUnavailable(f"file: {self.root} is not a directory")
@@ -489,6 +494,23 @@ class FileBackend(StorageBackend):
             return self._caller.call(probe)
         except OSError as e:
             raise _unavailable(self.root, e) from None
+
+    def _forget_removed_folders(self) -> None:
+        """Objects whose fan-out folder is gone since the last probe (the store's contents
+        removed under the daemon, the root kept) leave the index: its size and the
+        capacity it holds say what the store holds. (One listing of the root a probe.)"""
+        present = {name for name in os.listdir(self.root) if len(name) == 2}
+        gone, self._folders = self._folders - present, present
+        if not gone:
+            return
+        with self._lock:
+            dropped = [h for h in self._lru if h[:2] in gone]
+            for h in dropped:
+                self._used -= self._lru.pop(h)
+        if dropped:
+            self.resets += 1
+            log.warning("L3 file backend: %d fan-out folders of %s were removed (the %d "
+                        "objects they held are gone)", len(gone), self.root, len(dropped))
 
     @property
     def used_bytes(self) -> int:
