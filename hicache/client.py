@@ -479,10 +479,11 @@ class Client:
                 client = ref()
                 if client is None:
                     return
-                failing = client._beat(failing)
+                beat = client._beat(failing)
                 del client
-                if failing is None:
+                if beat is None:
                     return
+                failing = beat
 
         self._heartbeat_thread = threading.Thread(target=loop, name="hicache-heartbeat", daemon=True)
         self._heartbeat_thread.start()

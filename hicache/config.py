@@ -785,7 +785,7 @@ class _StrictLoader(yaml.SafeLoader):
             return super().construct_object(node, deep)  # type: ignore[no-untyped-call]
         except yaml.YAMLError:
             raise
-        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
             kind = str(node.tag).rsplit(":", 1)[-1]
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read a {kind} value ({type(e).__name__})", node.start_mark

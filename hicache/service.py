@@ -81,12 +81,16 @@ def engine_of(context: grpc.ServicerContext, run: str) -> str:
     return engine
 
 
+# Ops that use no attachment: served under an earlier run's header, as their RPCs are.
+_RUNLESS_OPS = frozenset({"attach", "stats", "close_session"})
+
+
 def _stale_op(kind: str | None) -> None:
     """An op sent under an earlier run's header: a release finds its handle gone (the
-    restart released it); an attach goes through; anything else is refused."""
+    restart released it); ops that use no attachment go through; the rest is refused."""
     if kind == "release":
         raise NotFound(RELEASED_BY_RESTART)
-    if kind != "attach":
+    if kind not in _RUNLESS_OPS:
         raise FailedPrecondition(STALE_RUN)
 
 
