@@ -151,6 +151,9 @@ class HiRadixTree:
         assert not any(c.child_sensitive for c in self.components if not c.per_page)
         # Per-page slots a new node offers at once (a child-sensitive one waits for a child).
         self._offered_new = frozenset(c.index for c in self._page_comps if not c.child_sensitive)
+        # Child-sensitive slots (SWA) of a new leaf longer than its window: the pages
+        # before the window may go alone (a tombstone), so the leaf is offered too.
+        self._leaf_windows = {c.index: c.window_pages for c in self._page_comps if c.child_sensitive}
         assert all(c.per_page and c.path_scoped for c in self.components if c.partial_tail)
         self._seed_parts = (model_id, kv_dtype, geometry)  # see `keys.chain_seed`
         self._point_ids = _read_only(np.arange(1024, dtype=np.int64))  # see `_point`
@@ -890,6 +893,7 @@ class HiRadixTree:
         queues = self._queues[tier]
         tails = self._tails
         offered = self._offered_new
+        leaf_windows = self._leaf_windows
         moved = self._moved[tier] if self._child_sensitive else None
         node = parent
         for p in range(len(cuts) - 1):
@@ -921,7 +925,9 @@ class HiRadixTree:
                         if len(moved) >= _WINDOW_WALKS_AT:
                             self._offer_moved(tier)
                             moved = self._moved[tier]
-                if ci in offered:  # (a new node has no children: child-sensitive slots wait)
+                if ci in offered:  # (a new node has no children: child-sensitive slots
+                    queues[ci].offer(child)  # wait, but for what lies before its window)
+                elif n > leaf_windows.get(ci, n):
                     queues[ci].offer(child)
             if checkpoint is not None and hi == total:
                 # (`_point`, inlined for slots it holds already: the call measured 0.02-0.03x

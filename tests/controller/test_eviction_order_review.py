@@ -146,10 +146,6 @@ def test_a_reopened_sessions_late_request_does_not_protect_its_old_path() -> Non
 # ----------------------------------------------------------------------------- SWA
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: SWA data of a long leaf outside its own window is never evictable alone "
-    "(SwaComponent.candidate_test needs a resident child), though DESIGN §1 says SWA "
-    "data outside the window may be tombstoned (splitting at the retention boundary)"))
 def test_a_long_leafs_swa_pages_outside_its_window_can_be_tombstoned() -> None:
     tree = tree_of(4, swa_window=8)  # 2 pages
     tree.insert("", toks(0, 32), {FULL: ids(*range(1, 9)), SWA: ids(*range(11, 19))})

@@ -58,10 +58,11 @@ class SwaComponent(Component):
         return breaks
 
     def candidate_test(self, tier: int, backed_up: bool = False) -> Callable[[Node], bool]:
-        # SWA goes alone only from nodes some child continues (in this tier): a leaf's
-        # trailing window goes with its FULL slot, never alone.
-        ci, bit = self.index, 1 << tier
-        return lambda node: bool(node.mask[ci] & bit) and node.nres[tier] > 0
+        # SWA goes alone from nodes some child continues (in this tier), and from a leaf
+        # longer than the window: what lies before its trailing window (`retained_pages`);
+        # the window itself goes with the leaf's FULL slot, never alone.
+        ci, bit, window = self.index, 1 << tier, self.window_pages
+        return lambda node: bool(node.mask[ci] & bit) and (node.nres[tier] > 0 or node.npages > window)
 
     def retained_pages(self, node: Node, tier: int) -> int:
         """Pages at the tail of `node` that lie inside the window of a boundary kept below
