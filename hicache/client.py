@@ -705,6 +705,19 @@ class Client:
         except _UNSETTLED as e:  # told, and owed: the next heartbeat would keep them held
             self._owe(lock_id, allocation_id, e)
             raise
+        except HicacheError:
+            raise
+        except Exception as e:
+            # The device sync before the release failed: an engine's asynchronous CUDA
+            # fault shows here first. The handles go without the sync (else the lease
+            # would keep them for the process's life), then the fault is raised.
+            log.warning("synchronizing before releasing lock %d / allocation %d failed "
+                        "(%s); releasing without it", lock_id, allocation_id, e)
+            try:
+                self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
+            except HicacheError as e2:
+                self._owe(lock_id, allocation_id, e2)
+            raise
 
     def _owe(self, lock_id: int, allocation_id: int, e: HicacheError) -> None:
         # The daemon away, or slower than the deadline: it may still hold them (a release

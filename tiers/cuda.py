@@ -133,13 +133,19 @@ class CudaDevicePools(MemberTable, DevicePools):
 
     def layer(self, member: str, layer: int) -> torch.Tensor:
         self.checked_layer(member, layer)
+        self._require_open()
         return self._tensors[member][layer]
+
+    def _require_open(self) -> None:
+        if not self._tensors:
+            raise FailedPrecondition(f"L1 pools on cuda:{self._device} are closed")
 
     def descriptors(self, tp_rank: int = 0) -> tuple[PoolDescriptor, ...]:
         """Rank 0's (`create` refuses tp_size > 1). Exported once, when the pools were
         made: each export makes torch a new sharing record (reference counter slot, event)
         that only a consumer of that very export frees, so exporting per Attach (or twice
         in a race) would pile them up."""
+        self._require_open()
         return self._descriptors
 
     def _export(self) -> tuple[PoolDescriptor, ...]:
@@ -220,6 +226,11 @@ def open_ipc_pool(desc: PoolDescriptor) -> tuple[torch.Tensor, ...]:
     )
     grid = flat.view(desc.layers, desc.num_pages, desc.page_stride_bytes)
     return tuple(grid[layer] for layer in range(desc.layers))
+
+
+# Layers of a staged copy (host pages not one pinned run) in flight at once: each holds a
+# pinned staging buffer until its layer lands.
+STAGED_LAYERS = 2
 
 
 class CudaCopyEngine(CopyEngine):
@@ -334,6 +345,12 @@ class CudaCopyEngine(CopyEngine):
         try:
             with torch.cuda.stream(stream):
                 for layer in range(layers):
+                    if not direct and layer >= STAGED_LAYERS:
+                        # Staged: at most STAGED_LAYERS layers' pinned buffers at once
+                        # (queuing takes microseconds, the copies milliseconds: every
+                        # layer's buffer would be alive, and kept by torch's pinned cache).
+                        reported = self._report(events, finish, host_plan, reported, on_layer,
+                                                wait=True, until=layer - STAGED_LAYERS + 1)
                     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
                     for spec in members:
                         if layer >= spec.layers or n == 0:
@@ -387,10 +404,12 @@ class CudaCopyEngine(CopyEngine):
         reported: int,
         on_layer: LayerCallback | None,
         wait: bool,
+        until: int | None = None,
     ) -> int:
         """Land and report layers from `reported` on, in order: those already copied, or
-        (`wait`) all of them. Returns the next layer to report."""
-        while reported < len(events):
+        (`wait`) all of them (those before `until`). Returns the next layer to report."""
+        end = len(events) if until is None else min(until, len(events))
+        while reported < end:
             event = events[reported]
             if wait:
                 event.synchronize()
