@@ -101,7 +101,8 @@ class CudaDevicePools(MemberTable, DevicePools):
         self._tensors: dict[str, torch.Tensor] = {}
         for spec in self.members:
             n = self.num_pages(spec.component)
-            self._tensors[spec.name] = torch.empty(
+            # Zeroed, as shared-memory pools are (a fresh slot reads the same on both).
+            self._tensors[spec.name] = torch.zeros(
                 (spec.layers, n, spec.bytes_per_page_per_layer),
                 dtype=torch.uint8,
                 device=f"cuda:{self._device}",
