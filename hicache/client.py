@@ -107,9 +107,14 @@ _INSTANCE_ID = uuid.uuid4().hex
 _FORKS = 0
 
 
-def _after_fork_in_child() -> None:
-    global _INSTANCE_ID, _FORKS
+def _new_instance_id() -> None:
+    global _INSTANCE_ID
     _INSTANCE_ID = uuid.uuid4().hex
+
+
+def _after_fork_in_child() -> None:
+    global _FORKS
+    _new_instance_id()
     _FORKS += 1
 
 

@@ -142,7 +142,14 @@ def serving(requests: int, seed: int) -> dict[str, float]:
                     times.append(time.perf_counter() - t0)
                 return statistics.mean(times[min(5, len(times) // 2):])  # (after a warm-up)
 
+            errors, trips = ctl.l3.errors, ctl.l3.breaker.trips
             healthy = run(prompts[:requests])
+            if ctl.l3.errors != errors or ctl.l3.breaker.trips != trips:
+                # (a store that stalled, a loaded machine: the figure would mix in timeouts
+                # and the dead path's shortcut, and is not the healthy one)
+                raise RuntimeError(
+                    f"serving: the healthy L3 failed {ctl.l3.errors - errors} calls during "
+                    f"its run (breaker trips: {ctl.l3.breaker.trips - trips}); run it again")
             server.stop(kill=True)
             for tokens in prompts[requests : requests + 10]:  # let the breaker open
                 _request(ctl, tokens)

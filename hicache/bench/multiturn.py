@@ -198,9 +198,7 @@ def _engine(target: str, args: argparse.Namespace, clients: list[int], result_q:
                 prefix = shared[c] if r == 0 else histories[c]
                 prompt = np.concatenate([prefix, inputs[c][r]]).astype("<u4")
                 out = outputs[c][r].astype("<u4")
-                t0 = time.perf_counter()
-                reuse = _request(client, oracle, prompt, out, args)
-                ttft = time.perf_counter() - t0
+                *reuse, ttft = _request(client, oracle, prompt, out, args)
                 ceiling = ceiling_tokens(r, c, len(histories[c]), len(prompt), args)
                 result_q.put((r, c, len(prompt), ceiling, *reuse, ttft))
                 histories[c] = np.concatenate([prompt, out])
@@ -209,9 +207,13 @@ def _engine(target: str, args: argparse.Namespace, clients: list[int], result_q:
 
 
 def _request(client: Any, oracle: KvOracle, prompt: np.ndarray, output: np.ndarray,
-             args: argparse.Namespace) -> tuple[int, int, int, int]:
+             args: argparse.Namespace) -> tuple[int, int, int, int, float]:
+    """One request: reused tokens (all, device, host, storage) and the TTFT proxy, the
+    time from the match through the prefetch and the load (not the oracle's checks and
+    writes, nor the Allocate and Insert after the first token)."""
     ps = args.page_size
     tokens = prompt.tobytes()
+    t0 = time.perf_counter()
     m = client.match(tokens, lock=True, prefetch=True)
     device, host = m.device_tokens, m.host_tokens
     if m.prefetch_id:
@@ -229,6 +231,7 @@ def _request(client: Any, oracle: KvOracle, prompt: np.ndarray, output: np.ndarr
     if m.host_tokens:
         *_, last = list(client.load(m.lock_id))
         reused, pages = last.device_tokens, last.device_pages
+    ttft = time.perf_counter() - t0
     oracle.verify(tokens, pages, reused // ps)
     full = np.concatenate([prompt, output]).astype("<u4").tobytes()
     new_tokens = len(full) // 4 - reused
@@ -236,7 +239,7 @@ def _request(client: Any, oracle: KvOracle, prompt: np.ndarray, output: np.ndarr
     oracle.write(full, alloc.pages, reused // ps)
     client.insert(full, lock_id=m.lock_id, allocation_id=alloc.allocation_id, mamba_checkpoint=True)
     storage = max(0, reused - device - host)
-    return reused, min(device, reused), min(host, max(0, reused - device)), storage
+    return reused, min(device, reused), min(host, max(0, reused - device)), storage, ttft
 
 
 # ---------------------------------------------------------------------------- driver

@@ -29,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -80,12 +81,15 @@ def _timed(fn: Callable[[], object], n: int, warmup: int = 50) -> list[float]:
 class Workload:
     """Prompts of PROMPT_TOKENS tokens: a shared prefix plus one page unique to the round."""
 
-    def __init__(self, client: Client, page_size: int, salt: int) -> None:
+    def __init__(self, client: Client, page_size: int, salt: int, run: int = 0) -> None:
+        """`salt`: one per workload of a run; `run`: one per run (a run against a daemon
+        that served an earlier one must not find its prompts cached)."""
         self.client = client
         self.page = page_size
         rng = np.random.default_rng(SEED)
         self.prefix = rng.integers(1, 1 << 30, PROMPT_TOKENS - page_size, dtype=np.uint32)
         self.salt = salt
+        self.run = run
         self.n = 0
         self._ready: deque[bytes] = deque()
         self._prime()
@@ -109,6 +113,7 @@ class Workload:
     def _make_prompt(self) -> bytes:
         self.n += 1
         tail = np.full(self.page, (self.salt << 20) + self.n, dtype=np.uint32)
+        tail[-1] = self.run  # (the page is unique to the round, and to the run)
         return np.concatenate([self.prefix, tail]).tobytes()
 
     def next_prompt(self) -> bytes:
@@ -136,9 +141,9 @@ class Workload:
                 raise result
 
 
-def _worker(target: str, salt: int, seconds: float, start_at: float, out: Any) -> None:
+def _worker(target: str, salt: int, run: int, seconds: float, start_at: float, out: Any) -> None:
     with Client(target, engine_id=f"bench-{salt}") as client:
-        work = Workload(client, client.attach(map_pools=False).info.page_size, salt)
+        work = Workload(client, client.attach(map_pools=False).info.page_size, salt, run)
         for _ in range(20):
             work.round()
         while time.time() < start_at:
@@ -151,22 +156,56 @@ def _worker(target: str, salt: int, seconds: float, start_at: float, out: Any) -
         out.put(done)
 
 
-def throughput(target: str, processes: int, seconds: float) -> float:
+def throughput(target: str, processes: int, seconds: float, run: int | None = None,
+               first_salt: int = 100) -> float:
+    """Rounds per second of `processes` client processes, workloads salted from
+    `first_salt` on, in `run` (None: a new one): each throughput run its own prompts (one
+    replaying another's would time cached hits, not rounds). RuntimeError naming a
+    worker that failed."""
+    import queue as queue_mod
+
+    if run is None:
+        run = _new_run()
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     start_at = time.time() + 2.0 + 0.3 * processes  # after every worker's start-up
     procs = [
-        ctx.Process(target=_worker, args=(target, 100 + i, seconds, start_at, queue))
+        ctx.Process(target=_worker, args=(target, first_salt + i, run, seconds, start_at, queue))
         for i in range(processes)
     ]
     for p in procs:
         p.start()
-    total = sum(queue.get(timeout=60 + seconds) for _ in procs)
-    for p in procs:
-        p.join()
-    return total / seconds
+    counts: list[int] = []
+    deadline = time.monotonic() + 60 + seconds
+    try:
+        while len(counts) < len(procs):
+            try:
+                counts.append(queue.get(timeout=0.5))
+            except queue_mod.Empty:
+                failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode]
+                if failed:
+                    i, code = failed[0]
+                    raise RuntimeError(f"rounds_per_s ({processes} processes): client process "
+                                       f"{i} exited {code}; see its output above") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rounds_per_s ({processes} processes): no result "
+                                       f"within {60 + seconds:g} s") from None
+    finally:
+        for p in procs:
+            if p.exitcode is None and len(counts) < len(procs):
+                p.terminate()
+        for p in procs:
+            p.join()
+    return sum(counts) / seconds
 
 
+
+
+def _new_run() -> int:
+    """A run's own token value: a daemon given with --target may have served other runs
+    (their prompts are cached there)."""
+    return secrets.randbits(31) or 1
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -176,9 +215,10 @@ def _split(total: int, parts: int) -> list[int]:
 def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
     n_batches = max(20, args.calls // BATCH)
     blocks = max(1, min(BLOCKS, n_batches // 2))
+    run = _new_run()
     with Client(target, engine_id="bench-main") as client:
         page = client.attach(map_pools=False).info.page_size
-        work = Workload(client, page, salt=1)
+        work = Workload(client, page, salt=1, run=run)
         work.prepare(2 * args.calls + 50 + blocks * 10 + (n_batches + 5 + blocks) * BATCH)
         _timed(client.serving, 0)
         _timed(work.round, 0)
@@ -201,7 +241,8 @@ def measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
         "empty_call": _percentiles(empty),
         "round": _percentiles(rounds),
         "batched_round": _percentiles(per_round),
-        "rounds_per_s": {str(n): throughput(target, n, args.seconds) for n in args.processes},
+        "rounds_per_s": {str(n): throughput(target, n, args.seconds, run, 100 + 256 * k)
+                         for k, n in enumerate(args.processes)},
         "cpus": os.cpu_count(),
     }
     e = figures["empty_call"]["p50_us"]
