@@ -48,6 +48,9 @@ from hicache.types import (
 MAX_FILE_THREADS = 64  # storage.file.threads
 GiB = 1 << 30
 MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
+# At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
+# core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
+MIN_LEASE_MS = 100
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
 L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header (a test
@@ -508,6 +511,9 @@ class ServerConfig:
                 raise ConfigError(f"{path}.tokens[{i}].token: the same token is listed twice (value hidden)")
             seen.add(entry.token)
         _positive(self.lease_ms, f"{path}.lease_ms")
+        if self.lease_ms < MIN_LEASE_MS:
+            raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is under {MIN_LEASE_MS} (a "
+                              "client heartbeats every lease_ms / 3, which a call must fit in)")
         if self.lease_ms > MAX_LEASE_MS:
             raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is over {MAX_LEASE_MS} "
                               "(a uint32 on the wire)")
@@ -620,6 +626,18 @@ class HicacheConfig:
             raise ConfigError(
                 f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is below one page "
                 f"(model.page_size = {self.model.page_size})"
+            )
+        if self.server.max_tokens_per_request < self.model.page_size:
+            raise ConfigError(
+                f"server.max_tokens_per_request: {self.server.max_tokens_per_request} is below "
+                f"one page (model.page_size = {self.model.page_size}): no request could "
+                "hold a whole page, so nothing would be cached"
+            )
+        if self.prefetch.threshold_tokens > self.server.max_tokens_per_request:
+            raise ConfigError(
+                f"prefetch.threshold_tokens: {self.prefetch.threshold_tokens} is over "
+                f"server.max_tokens_per_request ({self.server.max_tokens_per_request}): no "
+                "request could start a prefetch"
             )
         if self.max_reply_bytes > MAX_MESSAGE_BYTES:
             raise ConfigError(

@@ -144,9 +144,10 @@ class Daemon:
         self._threads: list[threading.Thread] = []
         options = [
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
-            # A reply lists page ids of every member: at page size 1 it outgrows the request.
-            ("grpc.max_send_message_length",
-             min(MAX_MESSAGE_BYTES, max(cfg.max_request_bytes, cfg.max_reply_bytes))),
+            # A reply lists page ids of every member (at page size 1 it outgrows the
+            # request), a Batch's those of all its ops: gRPC's own limit, which a Batch
+            # keeps within op by op (`HiCacheServicer._run_batch`).
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second daemon must not share the port
         ]
         self.interceptor = ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)
@@ -156,7 +157,7 @@ class Daemon:
             options=options,
         )
         hicache_pb2_grpc.add_HiCacheServicer_to_server(
-            HiCacheServicer(core, cfg.server.max_tokens_per_request), self.server
+            HiCacheServicer(core, cfg.server.max_tokens_per_request, cfg.max_reply_bytes), self.server
         )
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(core, cfg.server.shutdown_flush_s), self.server

@@ -23,7 +23,7 @@ import grpc
 
 from hicache import convert
 from hicache.auth import ANONYMOUS, current_principal
-from hicache.config import header_value
+from hicache.config import MAX_MESSAGE_BYTES, MESSAGE_SLACK_BYTES, header_value
 from hicache.controller.base import MAX_ENGINE_ID, CacheService, InsertRequest, MatchRequest
 from hicache.errors import (
     DeadlineExceeded,
@@ -32,6 +32,7 @@ from hicache.errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
 )
 from hicache.interceptor import op_status
 from hicache.pb.hicache.v1 import admin_pb2 as apb
@@ -157,9 +158,14 @@ def _session_scoped(req: _R) -> _R:
 class HiCacheServicer(pb_grpc.HiCacheServicer):
     """The engine-facing service over one `CacheService`."""
 
-    def __init__(self, core: CacheService, max_tokens_per_request: int) -> None:
+    def __init__(self, core: CacheService, max_tokens_per_request: int,
+                 max_reply_bytes: int = 0) -> None:
+        """`max_reply_bytes`: the largest reply one op can need (`HicacheConfig.
+        max_reply_bytes`): a Batch that could pass gRPC's message limit is answered op by op
+        within it (0: not checked)."""
         self._core = core
         self._limit = max_tokens_per_request
+        self._max_reply = max_reply_bytes
         self.run = secrets.token_hex(8)  # this run of the daemon (`RUN_HEADER`)
         # BatchOp's oneof field name -> op; also what each unary RPC calls.
         self._ops: dict[str, Op] = {
@@ -350,10 +356,18 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         restricted = not principal.unrestricted  # checked once per call, not per op
         ops = self._ops
         add_result = response.results.add
+        # A reply past gRPC's message limit could not be sent, after its ops took effect:
+        # where that could happen, an op that might pass it is refused (not run).
+        room = (MAX_MESSAGE_BYTES - MESSAGE_SLACK_BYTES
+                if self._max_reply and len(ops_in) * self._max_reply > MAX_MESSAGE_BYTES else None)
         for i, op in enumerate(ops_in):
             kind = op.WhichOneof("op")
             result = add_result()
             try:
+                if room is not None and room < self._max_reply:
+                    raise ResourceExhausted(
+                        f"the Batch's reply could pass gRPC's {MAX_MESSAGE_BYTES}-byte message "
+                        f"limit: op {i} on were not run; send them in another Batch")
                 if kind is None:
                     raise InvalidArgument("empty op: set one of the BatchOp fields")
                 if stale:
@@ -369,6 +383,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 code, message = op_status(exc, f"Batch op {i} ({kind})", f"Batch {kind}")
                 result.status.code = code.value[0]
                 result.status.message = f"op {i} ({kind}): {message}"
+            if room is not None:
+                room -= result.ByteSize() + 8  # (the field's tag and length)
 
 
 class AdminServicer(apb_grpc.AdminServicer):

@@ -258,8 +258,12 @@ def test_max_tokens_per_request_message_limits_are_the_readme_formula() -> None:
 
 
 def test_cross_key_rules_the_readme_lists_are_enforced() -> None:
-    assert "Cross-key rules: `prefetch.threshold_tokens >= model.page_size`" in README
+    assert ("Cross-key rules: `model.page_size <= prefetch.threshold_tokens <= "
+            "server.max_tokens_per_request`") in README
     _refused(_at("prefetch.threshold_tokens", 32), "prefetch.threshold_tokens")
+    _refused(_at("server.max_tokens_per_request", 32), "server.max_tokens_per_request")
+    _refused(_at("server.max_tokens_per_request", 128, **{"prefetch.threshold_tokens": 256}),
+             "prefetch.threshold_tokens")
     _refused(_at("storage.backend", "mooncake"), "storage.mooncake.master")
     _refused(_at("tiers.l2.layout", "layer_first", **{"storage.backend": "file"}), "tiers.l2.layout")
     _refused(_at("tiers.l1.size_gb", 1e-9), "tiers.l1.size_gb")

@@ -560,10 +560,10 @@ def test_bad_handles_and_inputs(make) -> None:
 
 
 def test_lapsed_lease_releases_locks_and_allocations(make) -> None:
-    ctl = make(storage__backend="none", server__lease_ms=50)
+    ctl = make(storage__backend="none", server__lease_ms=100)
     Engine(ctl)
     ctl.match("e1", MatchRequest("", seq(2), lock=True, allocate_tokens=8))
-    time.sleep(0.1)
+    time.sleep(0.15)
     assert ctl.expire_leases() == 1
     with pytest.raises(NotFound, match="lease expired"):
         ctl.heartbeat("e1")

@@ -128,8 +128,12 @@ def late(monkeypatch: pytest.MonkeyPatch) -> Iterator[LateCuda]:
         t = torch.empty(*args, **kw)
         return cuda.pinned(t) if pin_memory else t
 
+    def zeros(*args: Any, device: Any = None, **kw: Any) -> torch.Tensor:
+        return torch.zeros(*args, **kw)
+
     proxy.cuda = cuda  # type: ignore[attr-defined]
     proxy.empty = empty  # type: ignore[attr-defined]
+    proxy.zeros = zeros  # type: ignore[attr-defined]
     proxy.device = lambda *a, **k: a  # type: ignore[attr-defined]
     monkeypatch.setattr(cuda_mod, "torch", proxy)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
