@@ -65,13 +65,15 @@ def caller_of(context: grpc.ServicerContext, run: str) -> tuple[str, bool]:
     caller's token (`scoped_engine`), and whether it names another run of the daemon
     (`RUN_HEADER`: it attached before a restart, so what it would write or read through
     its old mappings is not this daemon's pools, and its handles are gone)."""
-    engine, stale = "", False
+    engine: str | None = None
+    stale = False
     for key, value in context.invocation_metadata():  # type: ignore[misc]
         if key == ENGINE_HEADER:
-            engine = scoped_engine(value if isinstance(value, str) else value.decode())
+            if engine is None:  # (the first, if a caller sends two)
+                engine = scoped_engine(value if isinstance(value, str) else value.decode())
         elif key == RUN_HEADER:
-            stale = value != run
-    return engine, stale
+            stale = stale or value != run
+    return engine or "", stale
 
 
 def engine_of(context: grpc.ServicerContext, run: str) -> str:

@@ -102,6 +102,20 @@ def test_callers_that_name_no_run_are_served_as_before(restarted: dict[str, Any]
     assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_the_first_engine_header_names_the_caller(restarted: dict[str, Any]) -> None:
+    """A caller sending the engine header twice is the first one's (as before the run
+    header: reading the last one gave a lock to another engine than the caller's, which
+    test_fuzz_rpc's model saw as pages held twice)."""
+    fresh: Client = restarted["fresh"]
+    stub = pb_grpc.HiCacheStub(fresh._channel)
+    before = fresh.heartbeat().locks
+    r = stub.MatchPrefix(pb.MatchPrefixRequest(tokens=tokens(PAGE, start=73_000), lock=True),
+                         metadata=((ENGINE_HEADER, "fresh"), (ENGINE_HEADER, "someone-else"),
+                                   (RUN_HEADER, restarted["run"])), timeout=10)
+    assert r.lock_id and fresh.heartbeat().locks == before + 1
+    fresh.release(lock_id=r.lock_id)
+
+
 def test_a_batch_stats_or_close_session_op_of_a_stale_client_answers_as_the_rpc_does(
     restarted: dict[str, Any],
 ) -> None:
