@@ -313,9 +313,10 @@ def test_batch_results_are_typed_per_op_and_failures_are_values(daemon: Daemon) 
 def test_a_batch_over_the_daemons_message_limits_fails_whole_and_holds_nothing(
     daemon: Daemon,
 ) -> None:
-    """A request over `max_request_bytes` is refused before any op runs; a reply over the
-    send limit (20,000 Allocates, most failing with a message) fails the call, and the
-    allocations its ops made are released (the engine never learnt their ids)."""
+    """A request over `max_request_bytes` is refused before any op runs. A reply larger
+    than one op's (20,000 Allocates, most failing with a message) is sent whole (a Batch's
+    reply is bounded by gRPC's message limit only): the engine learns every allocation
+    its ops made, and releases them."""
     with daemon.client(engine_id="oversized", retries=0) as c:
         c.attach(map_pools=False)
         before = c.stats().counters["lookups"]
@@ -323,11 +324,11 @@ def test_a_batch_over_the_daemons_message_limits_fails_whole_and_holds_nothing(
             c.batch([match_op(tokens(8192, start=1), lock=True) for _ in range(40)])
         assert c.stats().counters["lookups"] == before
         assert held(c) == (0, 0)
-        with pytest.raises(ResourceExhausted, match="larger than max"):
-            c.batch([allocate_op(PAGE) for _ in range(20_000)])
-        deadline = time.monotonic() + 10
-        while held(c) != (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        results = c.batch([allocate_op(PAGE) for _ in range(20_000)])
+        made = [r for r in results if not isinstance(r, Exception)]
+        assert made and any(isinstance(r, ResourceExhausted) for r in results)
+        assert held(c) == (0, len(made))
+        c.batch([release_op(allocation_id=a.allocation_id) for a in made])
         assert held(c) == (0, 0)
         assert len(c.allocate(4 * PAGE).pages["full"]) == 4  # the pages came back
 
