@@ -694,16 +694,8 @@ class Client:
                 self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
             except HicacheError as e:
                 self._owe(lock_id, allocation_id, e)
-            except Exception as e:
-                # The device sync before the release failed too (a CUDA fault stays set):
-                # nothing more runs on that device, so the release goes without it rather
-                # than leave the handles held for the process's life.
-                log.warning("synchronizing before releasing lock %d / allocation %d failed "
-                            "(%s); releasing without it", lock_id, allocation_id, e)
-                try:
-                    self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
-                except HicacheError as e2:
-                    self._owe(lock_id, allocation_id, e2)
+            except Exception as e:  # the sync failed too: the body's error stands
+                self._release_unsynced(lock_id, allocation_id, e)
             raise
         try:
             self._release_quietly(lock_id=lock_id, allocation_id=allocation_id)
@@ -712,17 +704,20 @@ class Client:
             raise
         except HicacheError:
             raise
-        except Exception as e:
-            # The device sync before the release failed: an engine's asynchronous CUDA
-            # fault shows here first. The handles go without the sync (else the lease
-            # would keep them for the process's life), then the fault is raised.
-            log.warning("synchronizing before releasing lock %d / allocation %d failed "
-                        "(%s); releasing without it", lock_id, allocation_id, e)
-            try:
-                self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
-            except HicacheError as e2:
-                self._owe(lock_id, allocation_id, e2)
+        except Exception as e:  # an engine's asynchronous CUDA fault shows here first
+            self._release_unsynced(lock_id, allocation_id, e)
             raise
+
+    def _release_unsynced(self, lock_id: int, allocation_id: int, e: Exception) -> None:
+        """The device sync before a release failed (a CUDA fault stays set): nothing more
+        runs on that device, so the release goes without it rather than leave the handles
+        held for the process's life (the lease would keep them)."""
+        log.warning("synchronizing before releasing lock %d / allocation %d failed (%s); "
+                    "releasing without it", lock_id, allocation_id, e)
+        try:
+            self._release_quietly(lock_id=lock_id, allocation_id=allocation_id, sync=False)
+        except HicacheError as e2:
+            self._owe(lock_id, allocation_id, e2)
 
     def _owe(self, lock_id: int, allocation_id: int, e: HicacheError) -> None:
         # The daemon away, or slower than the deadline: it may still hold them (a release
