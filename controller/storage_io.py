@@ -166,13 +166,10 @@ class L3Store:
             return known // len(members)
         if not self.breaker.allow():
             return known // len(members)
-        try:
-            with self.latency.timed(L3Op.EXISTS):
-                run = known + self.backend.exists_prefix(keys[known:])
-        except BackendUnavailable as e:
-            self._failed(e)
+        found = self._exists_prefix(keys[known:])
+        if found is None:
             return known // len(members)
-        self.breaker.success()
+        run = known + found
         self.cache.add_present(keys[:run])
         if run < len(keys):
             self.cache.add_absent(keys[run])
@@ -206,14 +203,20 @@ class L3Store:
     def _still_stored(self, key: str) -> bool:
         """Whether a key read back corrupt is still in the store (not ours to remove);
         one it removed needs no mark (a good copy another node writes is seen at once)."""
+        found = self._exists_prefix([key])
+        return found is None or found == 1  # (unknown: not removed, so kept marked)
+
+    def _exists_prefix(self, keys: Sequence[str]) -> int | None:
+        """The backend's run of leading keys it holds, timed; None when it did not
+        answer (counted, and fed to the breaker, as every L3 call is)."""
         try:
-            with self.latency.timed(L3Op.EXISTS):  # (every L3 call is timed and counted)
-                there = self.backend.exists_prefix([key]) == 1
+            with self.latency.timed(L3Op.EXISTS):
+                found = self.backend.exists_prefix(keys)
         except BackendUnavailable as e:
             self._failed(e)
-            return True
+            return None
         self.breaker.success()
-        return there
+        return found
 
     def write(self, namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
               host_ids: np.ndarray) -> L3Written:

@@ -98,8 +98,13 @@ def _out(text: str) -> None:
     try:
         print(text, flush=True)
     except BrokenPipeError:
-        # (stdout stays open on /dev/null: the interpreter's flush at exit finds no pipe)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: stdout stays open on /dev/null, so the interpreter's flush at
+    exit finds no pipe (and raises nothing)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
@@ -331,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hicache: {one_line(str(e.filename))}: {e.strerror}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # a benchmark's reader went away: its figures are lost
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
         print("hicache: stdout was closed before the output was written", file=sys.stderr)
         return 1
 

@@ -88,6 +88,20 @@ def seq(n_pages: int, base: int = 0) -> bytes:
     return toks(np.arange(base, base + n_pages * 4))
 
 
+def tree_path(ctl, tokens: bytes):  # type: ignore[no-untyped-def]
+    """The tree's nodes along `tokens` in the default namespace (no hit counted)."""
+    tree = ctl.tree
+    return tree._walk(tree._roots.get(""), tokens, len(tokens))
+
+
+def fully_in(ctl, tokens: bytes, tier: Tier) -> bool:  # type: ignore[no-untyped-def]
+    """Every page of `tokens` (page size 16) is in the tree, FULL resident in `tier`."""
+    with ctl._mu:
+        path = tree_path(ctl, tokens)
+        return (sum(n.npages for n in path) == len(tokens) // 16
+                and all(ctl.tree.is_resident(n, ComponentKind.FULL, tier) for n in path))
+
+
 def evict_all(ctl, *tiers: Tier) -> None:
     """Drop every page of every family from `tiers`, after queued copies landed."""
     assert ctl.transfers.drain(10)  # write-through copies land first

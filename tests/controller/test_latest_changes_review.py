@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from engine_sim import Engine, evict_all, seq
+from engine_sim import Engine, evict_all, fully_in, seq, tree_path
 
 from hicache.controller.base import MatchRequest
 from hicache.errors import NotFound
@@ -17,16 +17,7 @@ from hicache.types import ComponentKind, Tier
 FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
 
 
-def _path(ctl, tokens: bytes):
-    tree = ctl.tree
-    return tree._walk(tree._roots.get(""), tokens, len(tokens))
-
-
-def _in(ctl, tokens: bytes, tier: Tier) -> bool:
-    with ctl._mu:
-        path = _path(ctl, tokens)
-        return (sum(n.npages for n in path) == len(tokens) // 16
-                and all(ctl.tree.is_resident(n, FULL, tier) for n in path))
+_path, _in = tree_path, fully_in  # (engine_sim's)
 
 
 # ---------------------------------------------------------------- _uncopied (selective)

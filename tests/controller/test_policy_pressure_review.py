@@ -9,7 +9,7 @@ import itertools
 from collections import Counter
 
 import pytest
-from engine_sim import Engine, evict_all, seq
+from engine_sim import Engine, evict_all, fully_in, seq, tree_path
 
 from hicache.controller.base import MatchRequest
 from hicache.types import ComponentKind, Tier
@@ -20,17 +20,7 @@ MATRIX = list(itertools.product(POLICIES, POLICIES))
 IDS = [f"{a}-{b}" for a, b in MATRIX]
 
 
-def _path(ctl, tokens: bytes):
-    tree = ctl.tree
-    return tree._walk(tree._roots.get(""), tokens, len(tokens))
-
-
-def _in(ctl, tokens: bytes, tier: Tier) -> bool:
-    """Every page of `tokens` is in the tree, FULL resident in `tier` (no hit counted)."""
-    with ctl._mu:
-        path = _path(ctl, tokens)
-        return (sum(n.npages for n in path) == len(tokens) // 16
-                and all(ctl.tree.is_resident(n, FULL, tier) for n in path))
+_path, _in = tree_path, fully_in  # (engine_sim's)
 
 
 def _l2_full_of_locked(ctl, eng, n: int = 8) -> list[int]:
