@@ -21,7 +21,7 @@ import redis
 from hicache.config import RedisStorageConfig, redact_url
 from hicache.errors import BackendUnavailable
 from hicache.keys import CANARY_PREFIX
-from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PutStatus, StorageBackend
+from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PIPELINE_CHUNK, PutStatus, StorageBackend
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class RedisBackend(StorageBackend):
         # on as many threads as the pool has connections.
         super().__init__(timeout_s, workers=max(4, cfg.pool_size))
         self.cfg = cfg
+        # A read or write pipelines `batch` keys a round trip (the base class cuts calls
+        # into chunks, each one its round trips; a smaller chunk would cap `batch`).
+        self.pipeline_chunk = max(cfg.batch, PIPELINE_CHUNK)
         self._pool: redis.BlockingConnectionPool | None = None
         self._client: redis.Redis | None = None
         self._getex: bool | None = None  # whether the server has GETEX (asked at first need)
