@@ -61,6 +61,7 @@ class L3Store:
         """`object_ttl_s`: the store expires objects this long after their last read or
         write (Redis's `ttl_s`): what is known present is asked again after half of it."""
         self.backend = backend
+        self.object_ttl_s = object_ttl_s
         self.host = host
         self.model_id = model_id
         self.tp_rank, self.tp_size = tp_rank, tp_size

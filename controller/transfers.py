@@ -872,9 +872,15 @@ class Transfers:
         if self.ctl.l3 is None or policy is WritePolicy.WRITE_BACK:
             return
         threshold = self.cfg.write.selective_threshold
+        ttl = self.ctl.l3.object_ttl_s
+        # A store whose objects expire (`storage.redis.ttl_s`): a record of L3 residency
+        # older than half of it (the existence cache's bound too) is written again, which
+        # renews the objects; else a longer prompt's write stored only its new tail, whose
+        # head had expired: unreachable.
+        stale_before = None if ttl is None else time.monotonic() - ttl / 2
         for node in nodes:
             # (A checkpoint or window committed after FULL went down goes on its own.)
-            kinds = self.tree.slots_for_storage(node)
+            kinds = self.tree.slots_for_storage(node, stale_before)
             if not kinds:
                 continue
             if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) < threshold:
@@ -913,6 +919,7 @@ class Transfers:
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
+                    self.tree.storage_renewed(node)  # (a record of FULL, written again)
                     for kind, ids in pages.items():
                         # What L2 holds now must be what was written (or, after a split, its
                         # tail): an SWA tail replaced by a longer one is not all in L3.

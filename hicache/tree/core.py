@@ -9,6 +9,7 @@ node must be split.
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 
@@ -452,21 +453,33 @@ class HiRadixTree:
         assert isinstance(node, Node)
         return bool(node.mask[self._by_kind[kind].index] & (1 << tier))
 
-    def slots_for_storage(self, node: object) -> list[ComponentKind]:
+    def slots_for_storage(self, node: object, stale_before: float | None = None) -> list[ComponentKind]:
         """Kinds of `node` whose slot an L3 write would add, FULL first: with FULL going
         down (in L2, not recorded in L3), every slot L2 holds that L3 has not recorded;
         with FULL recorded in L3 already, only whole ones (a checkpoint or window committed
         since): a partial slot, an SWA tail, is never recorded in L3, and offering it again
-        would write it on every call. Nothing while FULL is in neither."""
+        would write it on every call. Nothing while FULL is in neither. `stale_before` (a
+        store whose objects expire): a record of FULL older than this (`stored_at`) may
+        name expired objects, so every slot L2 holds is offered again."""
         assert isinstance(node, Node)
         host, storage = 1 << Tier.HOST, 1 << Tier.STORAGE
         mask = node.mask
         skip = storage
         if mask[FULL_INDEX] & storage:
-            skip |= PARTIAL
+            if stale_before is not None and node.stored_at < stale_before and mask[FULL_INDEX] & host:
+                skip = 0
+            else:
+                skip |= PARTIAL
         elif not mask[FULL_INDEX] & host:
             return []
         return [c.kind for c in self.components if mask[c.index] & host and not mask[c.index] & skip]
+
+    def storage_renewed(self, node: object) -> None:
+        """`node`'s objects were written to L3 again, or found there (renewing their expiry):
+        its record of FULL in STORAGE dates from now (see `slots_for_storage`)."""
+        assert isinstance(node, Node)
+        if node.mask[FULL_INDEX] & (1 << Tier.STORAGE):
+            node.stored_at = time.monotonic()
 
     def is_live(self, node: object) -> bool:
         """Whether `node` is still part of the tree (not evicted from every tier)."""
@@ -1018,7 +1031,7 @@ class HiRadixTree:
         if node.hashes is not None:
             head.hashes = node.hashes[: k * PAGE_HASH_BYTES]
             node.hashes = node.hashes[k * PAGE_HASH_BYTES :]
-        head.hits, head.last_access = node.hits, node.last_access
+        head.hits, head.last_access, head.stored_at = node.hits, node.last_access, node.stored_at
         for tier in range(PAGED_TIERS):
             for comp in self._others:
                 self._queues[tier][comp.index].offer(head)
@@ -1084,6 +1097,8 @@ class HiRadixTree:
             if comp.index != FULL_INDEX and not node.mask[FULL_INDEX] & (1 << tier):
                 raise InvalidArgument(f"{kind.value} slot in {tier.name} needs FULL there first")
             pages = np.asarray(pages, dtype=np.int64)
+        if tier is Tier.STORAGE and ci == FULL_INDEX:
+            node.stored_at = time.monotonic()
         self._set(node, comp, tier, pages)
 
     def _set(self, node: Node, comp: Component, tier: int, pages: np.ndarray | None) -> None:

@@ -26,6 +26,8 @@ class Node:
                                     PARTIAL when the paged slot is only the node's tail
       lock[ci]                      lock references (a locked slot is never evicted)
       sref[ci]                      session references (reorder eviction, never pin)
+    `stored_at`: when the FULL slot was last recorded in STORAGE or renewed there (a store
+    whose objects expire, Redis's `ttl_s`: a record that old may name expired objects).
     `nres[tier]` counts children whose FULL slot is resident in DEVICE/HOST: a FULL slot is
     an eviction candidate of a tier only when no child holds that tier.
     """
@@ -46,6 +48,7 @@ class Node:
         "res",
         "root",
         "sref",
+        "stored_at",
     )
 
     def __init__(self, key: bytes, npages: int, parent: Node | None, ncomp: int) -> None:
@@ -64,6 +67,7 @@ class Node:
         self.hits = 0
         self.last_access = 0
         self.qmask = 0
+        self.stored_at = 0.0  # (time.monotonic) FULL last recorded in, or renewed in, STORAGE
 
     def __repr__(self) -> str:
         return f"Node(depth={self.depth}p, npages={self.npages}, mask={self.mask})"

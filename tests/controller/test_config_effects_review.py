@@ -33,7 +33,7 @@ from hicache.tiers.storage import PutStatus, build_backend
 from hicache.types import ComponentKind, StorageBackendName, Tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiers" / "storage"))
-from storage_pages import Pool, keys  # noqa: E402
+from storage_pages import Pool, keys
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 
@@ -295,5 +295,5 @@ def test_l2_size_gb_overrides_ratio_and_fits_its_budget(make) -> None:
     assert ctl.host.allocator(MAMBA).total == pages
     assert ctl.host.buffer_size <= budget
     slots = [ctl.host.slot_bytes(m) for m in ctl.cfg.model.members]
-    assert all(s % 64 == 0 and s >= 64 + m.bytes_per_page for s, m in zip(slots, ctl.cfg.model.members))
+    assert all(s % 64 == 0 and s >= 64 + m.bytes_per_page for s, m in zip(slots, ctl.cfg.model.members, strict=True))
     assert sum(-(-(pages + 1) * s // OS_PAGE) * OS_PAGE for s in slots) > budget

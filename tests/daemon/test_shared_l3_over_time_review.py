@@ -299,12 +299,6 @@ def test_a_second_nodes_backup_renews_the_ttl_of_what_it_found_present(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with storage.redis.ttl_s a node records its pages "
-    "as in L3 forever (tree STORAGE residency): after they expired, a longer "
-    "request's write-through stores only the new tail, unreachable without its head",
-)
 def test_a_write_through_after_the_ttl_stores_the_whole_prefix_again(
     nodes: Nodes,
     redis_factory: Callable[[], Any],
@@ -326,6 +320,27 @@ def test_a_write_through_after_the_ttl_stores_the_whole_prefix_again(
     # Observed: 0 (L3 holds the tail's 4 objects, the head expired and was never rewritten).
     assert got.storage_tokens == 32, (got.storage_tokens, r.dbsize())
     r.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_record_younger_than_half_the_ttl_is_not_written_again(
+    nodes: Nodes,
+    redis_factory: Callable[[], Any],
+) -> None:
+    """The rewrite of expiring records (above) waits for half the TTL: prompts that
+    continue a prefix written just before store their new tail only."""
+    server = redis_factory()
+    a = nodes(l1_tokens=512, **_redis_kw(server.url, 60))
+    head = seq(4, 3000)
+    ea = Engine(a, "a")
+    ea.request(head)
+    assert a.transfers.drain(10)
+    for k in range(3):
+        ea.request(head + seq(1, 7000 + 100 * k))
+        ea.request(head)
+    assert a.transfers.drain(10)
+    counters = a.stats().counters
+    assert (counters["backups_l3"], counters["backups_l3_present"]) == (7, 0)
 
 
 # ------------------------------------------------------------- concurrent writers

@@ -610,3 +610,33 @@ def test_full_pages_only_above_counts_what_a_flush_would_still_write() -> None:
     assert tree.full_pages_only_above(Tier.STORAGE) == 1  # in L2 too, still not in L3
     assert tree.full_pages_only_above(Tier.HOST) == 2  # L1 only: a's two pages
     tree.check_integrity()
+
+
+def test_an_l3_record_older_than_stale_before_offers_its_slots_again_and_a_split_keeps_its_age() -> None:
+    """A store whose objects expire (Redis's ttl_s): `slots_for_storage(node, stale_before)`
+    offers the L2 slots of a node recorded in STORAGE before `stale_before` again; a
+    record renewed (`storage_renewed`) or younger is not; both halves of a split keep the
+    record's age (the head's objects were written when the tail's were)."""
+    tree = make_tree(4, swa_window=4)
+    tree.insert("", seq(0, 8), {FULL: ids(1, 2), SWA: ids(11, 12)})
+    node = tree.match("", seq(0, 8)).path[-1]
+    tree.set_resident(node, FULL, Tier.HOST, ids(101, 102))
+    tree.set_resident(node, SWA, Tier.HOST, ids(111, 112))
+    assert tree.slots_for_storage(node) == [FULL, SWA]
+    tree.set_resident(node, FULL, Tier.STORAGE)
+    tree.set_resident(node, SWA, Tier.STORAGE)
+    written = node.stored_at
+    assert written > 0
+    assert tree.slots_for_storage(node) == []
+    assert tree.slots_for_storage(node, stale_before=written) == []
+    assert tree.slots_for_storage(node, stale_before=written + 1) == [FULL, SWA]
+    tree.match("", seq(0, 4) + toks(7, 7, 7, 7))  # split after page 1
+    head, tail = tree.match("", seq(0, 8)).path
+    assert head.stored_at == tail.stored_at == written
+    assert tree.slots_for_storage(head, stale_before=written + 1) == [FULL, SWA]
+    tree.storage_renewed(head)
+    assert head.stored_at > written
+    renewed = head.stored_at
+    assert tree.slots_for_storage(head, stale_before=renewed) == []
+    assert tree.slots_for_storage(tail, stale_before=renewed) == [FULL, SWA]
+    tree.check_integrity()

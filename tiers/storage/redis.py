@@ -21,7 +21,13 @@ import redis
 from hicache.config import RedisStorageConfig, redact_url
 from hicache.errors import BackendUnavailable
 from hicache.keys import CANARY_PREFIX
-from hicache.tiers.storage.base import MISSING, NOT_AN_OBJECT, PIPELINE_CHUNK, PutStatus, StorageBackend
+from hicache.tiers.storage.base import (
+    MISSING,
+    NOT_AN_OBJECT,
+    PIPELINE_CHUNK,
+    PutStatus,
+    StorageBackend,
+)
 
 log = logging.getLogger(__name__)
 
