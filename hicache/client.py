@@ -42,6 +42,7 @@ sees it: `detached` says why, `on_detached` is called once, and heartbeats stop 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -59,7 +60,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
 from hicache.client_errors import RETRYABLE, error_for, from_rpc_error, op_error
-from hicache.config import MAX_MESSAGE_BYTES, header_value
+from hicache.config import MAX_MESSAGE_BYTES, MIN_LEASE_MS, header_value
 from hicache.controller.base import (
     AllocationInfo,
     AttachInfo,
@@ -83,6 +84,7 @@ from hicache.pb.hicache.v1 import admin_pb2 as apb
 from hicache.pb.hicache.v1 import admin_pb2_grpc as apb_grpc
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.reply_checks import ReplyBounds
 from hicache.service import ENGINE_HEADER, RUN_HEADER
 from hicache.tiers.base import PoolDescriptor, PoolKind
 from hicache.tiers.storage.base import BackendHealth
@@ -254,6 +256,9 @@ class Client:
         self._heartbeat_mu = threading.Lock()
         self._attaches = 0  # successful attach() calls: a heartbeat answer older than one is moot
         self._tp_rank = 0
+        # The attached geometry, against which replies that hand the engine page ids are
+        # checked before it writes through them (None before the first attach).
+        self._bounds: ReplyBounds | None = None
         # A call went through since the last UNAVAILABLE: the connection is (likely) up.
         self._reached = False
         self._closed = False
@@ -422,7 +427,11 @@ class Client:
             repeatable=True,
         )
         info = convert.attach_from_pb(r)
+        if info.lease_ms < MIN_LEASE_MS:  # (its heartbeat would be a busy loop)
+            raise FailedPrecondition(f"the daemon answered Attach with lease_ms={info.lease_ms}, "
+                                     f"under the least a daemon gives ({MIN_LEASE_MS})")
         self._tp_rank = tp_rank
+        bounds = ReplyBounds(info)
         # Every later call names this run of the daemon: after a restart, calls through
         # this attachment's (gone) pools are refused until `attach()` maps the new ones.
         run = ((RUN_HEADER, info.daemon_run),) if info.daemon_run else ()
@@ -433,6 +442,7 @@ class Client:
             from hicache.tiers.device import attach_device_pools
 
             pools = attach_device_pools(info.pools, info.members)
+        self._bounds = bounds
         # Only a process that maps (and writes) the pools waits for them: one that does not
         # (probes, benchmarks) never starts CUDA for it.
         self._cuda_devices = _cuda_devices(info.pools) if map_pools else ()
@@ -541,7 +551,9 @@ class Client:
                              request_id=request_id)
         made: Made | None = (lambda r: [(r.lock_id, r.allocation_id)]) if (
             lock or allocate_tokens is not None) else None
-        return convert.match_from_pb(self._call(self._stub.MatchPrefix, req, made=made))
+        out = convert.match_from_pb(self._call(self._stub.MatchPrefix, req, made=made))
+        self._checked(out, len(req.tokens) // 4)
+        return out
 
     def allocate(
         self,
@@ -555,7 +567,9 @@ class Client:
                                  lock_id=lock_id, allocation_id=allocation_id)
         made: Made | None = None if allocation_id is not None else (
             lambda r: [(0, r.allocation_id)])  # (growing makes no new handle)
-        return convert.allocation_from_pb(self._call(self._stub.Allocate, req, made=made))
+        out = convert.allocation_from_pb(self._call(self._stub.Allocate, req, made=made))
+        self._checked(out, new=allocation_id is None)
+        return out
 
     def insert(
         self,
@@ -595,11 +609,21 @@ class Client:
         self._check_open()
         if not self._reached:  # (sent once, as every call not safe to repeat)
             self._reach()
+        last: LoadProgress | None = None
         try:
             for msg in self._stub.Load(pb.LoadRequest(lock_id=lock_id), metadata=self._metadata,
                                        timeout=self.timeout_s):
                 self._reached = True
-                yield convert.load_from_pb(msg)
+                progress = convert.load_from_pb(msg)
+                if self._bounds is not None:
+                    self._bounds.load(progress, last)
+                last = progress
+                yield progress
+            if last is None or last.device_pages is None:
+                at = "no message" if last is None else (
+                    f"layer {last.layers_ready} of {last.layers_total}")
+                raise Unavailable(f"Load: the stream ended at {at}, before the layers were all "
+                                  "loaded (the lock is still held: load again or release it)")
         except grpc.RpcError as e:
             if e.code() in RETRYABLE:
                 self._reached = False
@@ -640,13 +664,61 @@ class Client:
         out: list[Any] = []
         for op, result in zip(ops, r.results, strict=True):
             kind = result.WhichOneof("result")
-            if kind != "status":
-                out.append(_RESULT_READERS[kind](getattr(result, kind)))
+            asked = op.WhichOneof("op")
+            if kind is not None and kind not in ("status", asked):
+                out.append(self._misanswered(asked, kind, result))
+            elif kind is None:
+                out.append(FailedPrecondition(f"Batch: the daemon answered a {asked} op with a "
+                                              "result this client does not know (a newer "
+                                              "daemon? update hicache on this side)"))
+            elif kind != "status":
+                value = _RESULT_READERS[kind](getattr(result, kind))
+                try:
+                    if kind == "match_prefix":
+                        self._checked(value, len(op.match_prefix.tokens) // 4)
+                    elif kind == "allocate":
+                        self._checked(value, new=not op.allocate.HasField("allocation_id"))
+                except HicacheError as e:
+                    value = e
+                out.append(value)
             elif retried and op.WhichOneof("op") == "release" and result.status.code == _NOT_FOUND:
                 out.append(None)  # released by the attempt whose answer was lost (as `release`)
             else:
                 out.append(op_error(result.status.code, result.status.message))
         return out
+
+    def _checked(self, out: MatchOutcome | AllocationInfo, prompt_tokens: int = 0,
+                 new: bool = True) -> None:
+        """Raise what `ReplyBounds` finds wrong with a reply that hands the engine page ids
+        (the handles it made released first: the engine never learns them)."""
+        if self._bounds is None:
+            return
+        try:
+            if isinstance(out, AllocationInfo):
+                self._bounds.pages(out.pages, "pages")
+            else:
+                self._bounds.match(out, prompt_tokens)
+        except FailedPrecondition:
+            lock = out.lock_id if isinstance(out, MatchOutcome) else 0
+            self._drop_handles(lock, out.allocation_id if new else 0)
+            raise
+
+    def _misanswered(self, asked: str | None, kind: str, result: Any) -> FailedPrecondition:
+        """A Batch result of another op's kind: an error in the op's place, and the
+        handles it names released (nobody would know them)."""
+        if kind == "match_prefix":
+            self._drop_handles(result.match_prefix.lock_id, result.match_prefix.allocation_id)
+        elif kind == "allocate":
+            self._drop_handles(0, result.allocate.allocation_id)
+        return FailedPrecondition(f"Batch: the daemon answered a {asked} op with a {kind} result")
+
+    def _drop_handles(self, lock_id: int, allocation_id: int) -> None:
+        """Release handles of a reply refused (best effort, one plain Release each: a
+        daemon whose replies are junk may answer these wrongly too)."""
+        for handle in ({"lock_id": lock_id}, {"allocation_id": allocation_id}):
+            if any(handle.values()):
+                with contextlib.suppress(HicacheError):
+                    self.release(**handle, sync=False)
 
     def _sync(self, sync: Sync) -> None:
         if hasattr(sync, "synchronize"):

@@ -61,7 +61,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _known(names: Mapping[Any, _T], value: int, what: str) -> _T:
+def _known(names: Mapping[Any, _T], value: int | str, what: str) -> _T:
     """An enum value the daemon sent, by name; one this client does not know (a newer
     daemon's) is a clear error rather than a KeyError."""
     try:
@@ -151,11 +151,14 @@ def member_to_pb(m: MemberSpec) -> pb.Member:
     )
 
 
+_COMPONENTS = {k.value: k for k in ComponentKind}
+
+
 def member_from_pb(m: pb.Member) -> MemberSpec:
     return MemberSpec(
         name=m.name,
-        component=ComponentKind(m.component),
-        anchor=ComponentKind(m.anchor),
+        component=_known(_COMPONENTS, m.component, f"member {m.name!r} of component"),
+        anchor=_known(_COMPONENTS, m.anchor, f"member {m.name!r} anchored to"),
         layers=m.layers,
         bytes_per_page_per_layer=m.bytes_per_page_per_layer,
         window_tokens=m.window_tokens,

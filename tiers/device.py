@@ -415,17 +415,19 @@ def attach_device_pools(
     descriptor that does not fit its segment.
     """
     out: dict[str, tuple[torch.Tensor, ...]] = {}
-    widths = {m.name: m.bytes_per_page_per_layer for m in members}
+    specs = {m.name: m for m in members}
+    if len(specs) < len(members):
+        raise InvalidArgument("the attach lists a member twice")
     for desc in descriptors:
+        _check_descriptor(desc, specs, out)
         if desc.kind is PoolKind.CUDA_IPC:
             from hicache.tiers.cuda import open_ipc_pool
 
             out[desc.member] = open_ipc_pool(desc)
             continue
-        name = desc.handle.decode()
-        if "/" in name or not name.startswith(SEGMENT_PREFIX):
-            raise InvalidArgument(f"{desc.member}: {name!r} is not a hicache shm segment name")
-        width = widths.get(desc.member, desc.page_stride_bytes)
+        name = _segment_name(desc)
+        spec = specs.get(desc.member)
+        width = spec.bytes_per_page_per_layer if spec is not None else desc.page_stride_bytes
         if not 0 < width <= desc.page_stride_bytes:
             raise InvalidArgument(f"{desc.member}: a page of {width} bytes in a stride of "
                                   f"{desc.page_stride_bytes}")
@@ -441,3 +443,43 @@ def attach_device_pools(
             )
         )
     return out
+
+
+def _check_descriptor(desc: PoolDescriptor, specs: Mapping[str, MemberSpec],
+                      mapped: Mapping[str, object]) -> None:
+    """A descriptor the engine can map without reaching another layer's or another pool's
+    bytes (the daemon's reply is the last word on where the engine writes KV): one pool
+    per member, of the member's layer count, layers apart, pages apart. Raises
+    `InvalidArgument` naming the member."""
+    member = desc.member
+    if member in mapped:
+        raise InvalidArgument(f"{member}: the attach describes its pool twice")
+    if specs and member not in specs:
+        raise InvalidArgument(f"{member}: a pool for a member the attach does not list")
+    spec = specs.get(member)
+    if desc.layers < 1 or desc.num_pages < 1:
+        raise InvalidArgument(f"{member}: a pool of {desc.layers} layers and {desc.num_pages} "
+                              "pages (at least one of each)")
+    if spec is not None and desc.layers != spec.layers:
+        raise InvalidArgument(f"{member}: a pool of {desc.layers} layers for a member of "
+                              f"{spec.layers}")
+    if desc.page_stride_bytes < 1 or desc.offset_bytes < 0:
+        raise InvalidArgument(f"{member}: page stride {desc.page_stride_bytes}, offset "
+                              f"{desc.offset_bytes}")
+    if desc.layers > 1 and desc.layer_stride_bytes < desc.num_pages * desc.page_stride_bytes:
+        raise InvalidArgument(
+            f"{member}: layers {desc.layer_stride_bytes} bytes apart overlap (each holds "
+            f"{desc.num_pages} pages of {desc.page_stride_bytes} bytes)")
+
+
+def _segment_name(desc: PoolDescriptor) -> str:
+    """The shm segment a descriptor names: a hicache segment's name, never a path."""
+    try:
+        name = desc.handle.decode("ascii")
+    except UnicodeDecodeError:
+        name = ""
+    if ("/" in name or "\0" in name or not name.startswith(SEGMENT_PREFIX)
+            or not name.isprintable()):
+        raise InvalidArgument(f"{desc.member}: {desc.handle[:64]!r} is not a hicache shm "
+                              "segment name")
+    return name
