@@ -47,7 +47,7 @@ from hicache.tiers.base import CopyEngine, DevicePools, HostPools
 from hicache.tiers.copy import build_copy_engine
 from hicache.tiers.device import build_device_pools
 from hicache.tiers.host import build_host_pools
-from hicache.tiers.storage.base import BackendHealth
+from hicache.tiers.storage.base import HEADER_BYTES, BackendHealth
 from hicache.tiers.storage.registry import build_backend
 from hicache.tree import HiRadixTree
 from hicache.types import (
@@ -840,7 +840,9 @@ def open_l3(cfg: HicacheConfig, host: HostPools) -> L3Store:
     try:
         backend.register_host_buffer(host.buffer_address, host.buffer_size)
         ttl = cfg.storage.redis.ttl_s if cfg.storage.backend is StorageBackendName.REDIS else None
-        return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size, object_ttl_s=ttl)
+        largest = max(HEADER_BYTES + m.bytes_per_page for m in cfg.model.members)
+        return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size, object_ttl_s=ttl,
+                       object_bytes=largest)
     except BaseException:
         with contextlib.suppress(Exception):
             backend.close()

@@ -52,16 +52,23 @@ class L3Written(NamedTuple):
 
     in_l3: int  # pages L3 now holds: stored by this write, or there already
     stored: int  # of those, pages this write stored (an object of theirs was new)
+    landed: tuple[int, ...] = ()  # which pages (indices into the write's) L3 now holds
+    found: tuple[int, ...] = ()  # which of those were there already (this write stored none)
 
 
 class L3Store:
     def __init__(self, backend: StorageBackend, host: HostPools, model_id: str,
                  tp_rank: int = 0, tp_size: int = 1, breaker: CircuitBreaker | None = None,
-                 cache: ExistenceCache | None = None, object_ttl_s: float | None = None) -> None:
+                 cache: ExistenceCache | None = None, object_ttl_s: float | None = None,
+                 object_bytes: int = 0) -> None:
         """`object_ttl_s`: the store expires objects this long after their last read or
-        write (Redis's `ttl_s`): what is known present is asked again after half of it."""
+        write (Redis's `ttl_s`): what is known present is asked again after half of it.
+        `object_bytes`: the largest page object to write (header included; writes raise
+        it), the size of the canary that proves a store takes writes again
+        (`probe_writes`)."""
         self.backend = backend
         self.object_ttl_s = object_ttl_s
+        self.object_bytes = object_bytes
         self.host = host
         self.model_id = model_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -230,19 +237,25 @@ class L3Store:
         present: list[str] = []
         found: set[str] = set()  # answered PRESENT: something is there, maybe not ours
         stored = 0
+        landed: list[int] = []
+        there: list[int] = []
         for page in range(len(hashes)):
             page_keys = keys[page * per : (page + 1) * per]
             page_statuses = statuses[page * per : (page + 1) * per]
             if all(s in (PutStatus.STORED, PutStatus.PRESENT) for s in page_statuses):
+                landed.append(page)
                 present += page_keys
                 was_there = {k for k, s in zip(page_keys, page_statuses, strict=True)
                              if s is PutStatus.PRESENT}
                 found |= was_there
-                stored += len(was_there) < per
+                if len(was_there) < per:
+                    stored += 1
+                else:
+                    there.append(page)
         # One call for the batch: the cache then keeps the batch's first page most recent
         # (a path written node by node keeps that order within each node only).
         self.cache.add_present(present, found)
-        return L3Written(len(present) // per, stored)
+        return L3Written(len(present) // per, stored, tuple(landed), tuple(there))
 
     def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],
@@ -262,6 +275,8 @@ class L3Store:
         keys = self.keys(namespace, hashes, members)
         views = [self.host.object_views(m.name, host_ids) for m in members]
         buffers = views[0] if len(views) == 1 else [v for page in zip(*views, strict=True) for v in page]
+        if op is L3Op.PUT and buffers:  # (a page's objects: the canary's size to come)
+            self.object_bytes = max(self.object_bytes, *(b.nbytes for b in buffers[: len(members)]))
         try:
             with self.latency.timed(op):
                 statuses = call(keys, buffers)
@@ -282,9 +297,11 @@ class L3Store:
         return not self.breaker.is_open and not self.write_breaker.is_open
 
     def probe_writes(self) -> bool:
-        """A canary write/read/delete now (`health(deep=True)`); closes the write breaker
-        when it succeeds. Leaves the read breaker alone: a full store still serves."""
-        health = self._timed_health(True)
+        """A canary write/read/delete now (`health(deep=True)`) of an object the size of
+        the largest page object (a store may still take a small one: a full Mooncake
+        segment's leftover room); closes the write breaker when it succeeds. Leaves the
+        read breaker alone: a full store still serves."""
+        health = self._timed_health(True, self.object_bytes)
         if health.healthy:
             self.write_breaker.success()
         return health.healthy
@@ -301,9 +318,9 @@ class L3Store:
             self.breaker.failure()
         return health
 
-    def _timed_health(self, deep: bool) -> BackendHealth:
+    def _timed_health(self, deep: bool, canary_bytes: int = 0) -> BackendHealth:
         t0 = time.perf_counter()
-        health = self.backend.health(deep)
+        health = self.backend.health(deep, canary_bytes)
         self.latency.record(L3Op.PROBE_DEEP if deep else L3Op.PROBE,
                             L3Outcome.OK if health.healthy else L3Outcome.UNAVAILABLE,
                             time.perf_counter() - t0)

@@ -496,8 +496,10 @@ class Transfers:
         the serving path waits on L3."""
         # What L3 holds already stays out: a checkpoint or window leaving L2 is written
         # even where the node's FULL pages are in L3 (it used to be dropped then).
+        stale_before = self._stale_before()
+        stale = stale_before is not None and self.tree.storage_stale(victim.node, stale_before)
         pages = {kind: ids for kind, ids in victim.pages.items()
-                 if not self.tree.is_resident(victim.node, kind, Tier.STORAGE)}
+                 if stale or not self.tree.is_resident(victim.node, kind, Tier.STORAGE)}
         if not pages:
             return
         namespace = self.tree.namespace_of(victim.node)
@@ -514,8 +516,10 @@ class Transfers:
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
 
+        stored: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
+
         def run() -> None:
-            self._write_l3(namespace, hashes, pages)  # raises to be retried; give-up releases
+            self._write_l3(namespace, hashes, pages, stored)  # raises to be retried; give-up releases
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
                 # A node still in the tree (in L1, or with other slots) records its L3 copy,
@@ -524,6 +528,7 @@ class Transfers:
                 # it is not recorded (a later write of it finds the objects present).
                 node = victim.node
                 if self.tree.is_live(node):
+                    self.tree.storage_renewed(node)  # (a record of FULL, written again)
                     for kind in (FULL, MAMBA):
                         if kind in pages and not self.tree.is_resident(node, kind, Tier.STORAGE):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
@@ -872,20 +877,28 @@ class Transfers:
         if self.ctl.l3 is None or policy is WritePolicy.WRITE_BACK:
             return
         threshold = self.cfg.write.selective_threshold
-        ttl = self.ctl.l3.object_ttl_s
-        # A store whose objects expire (`storage.redis.ttl_s`): a record of L3 residency
-        # older than half of it (the existence cache's bound too) is written again, which
-        # renews the objects; else a longer prompt's write stored only its new tail, whose
-        # head had expired: unreachable.
-        stale_before = None if ttl is None else time.monotonic() - ttl / 2
+        stale_before = self._stale_before()
         for node in nodes:
-            # (A checkpoint or window committed after FULL went down goes on its own.)
-            kinds = self.tree.slots_for_storage(node, stale_before)
-            if not kinds:
-                continue
             if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) < threshold:
                 continue
-            self.backup_to_storage(node, kinds)
+            if (stale_before is not None and self.tree.storage_stale(node, stale_before)
+                    and not self.tree.is_resident(node, FULL, Tier.HOST)
+                    and self.tree.is_resident(node, FULL, Tier.DEVICE)):
+                # An expiring record of a slot L2 let go (`l1_to_l2: write_back`): written
+                # again from a copy in L2, like any L3 write.
+                self._backup_to_host_or_count(node, "L3 record renewal")
+            # (A checkpoint or window committed after FULL went down goes on its own.)
+            if kinds := self.tree.slots_for_storage(node, stale_before):
+                self.backup_to_storage(node, kinds)
+
+    def _stale_before(self) -> float | None:
+        """With a store whose objects expire (`storage.redis.ttl_s`), records of L3
+        residency made before this (half a TTL ago, the existence cache's bound too) may
+        name expired objects: they are written again where they go through a write path,
+        which renews the objects (else a longer prompt's write stored only its new tail,
+        whose head had expired: unreachable). None: objects do not expire."""
+        ttl = None if self.ctl.l3 is None else self.ctl.l3.object_ttl_s
+        return None if ttl is None else time.monotonic() - ttl / 2
 
     def backup_to_storage(self, node: object, kinds: list[ComponentKind]) -> None:
         """Queue an L3 write of `node`'s L2 slots of `kinds` (`slots_for_storage`). Its host
@@ -938,8 +951,10 @@ class Transfers:
                                 and np.array_equal(now, ids[len(ids) - len(now) :])):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
 
+        stored: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
+
         def run() -> None:
-            self._write_l3(namespace, hashes, pages)
+            self._write_l3(namespace, hashes, pages, stored)
             finish(True)
 
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
@@ -978,18 +993,26 @@ class Transfers:
         for kind, ids in pages.items():
             yield kind, ids, page_hashes[len(page_hashes) - len(ids) :], self.cfg.model.family(kind)
 
-    def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray]) -> None:
-        """Store `pages`; raises unless L3 holds them all. Counts FULL pages: stored
-        (`backups_l3`) or found there already (`backups_l3_present`: another daemon, or
-        an earlier write of the same pages, stored them)."""
+    def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray],
+                  stored: dict[ComponentKind, set[int]]) -> None:
+        """Store `pages`; raises unless L3 holds them all. Every attempt writes every page
+        (a store that evicts to make room, Mooncake, then keeps the pages an earlier
+        attempt stored rather than push them out for the rest: a chain's head must stay
+        for its tail to be of use). `stored`: the pages (indices, by kind) earlier attempts
+        of this job stored, added to. Counts FULL pages: stored (`backups_l3`) or found
+        there already (`backups_l3_present`: another daemon, or an earlier job of the same
+        pages, stored them; not this job's own earlier attempt)."""
         l3 = self.ctl.l3
         assert l3 is not None
         for kind, ids, targets, members in self._l3_targets(hashes, pages):
             done = l3.write(namespace, targets, members, ids)
+            ours = stored.setdefault(kind, set())
+            found = set(done.found)
             if kind is FULL:
                 with self.ctl._mu:
                     self.stats["backups_l3"] += done.stored
-                    self.stats["backups_l3_present"] += done.in_l3 - done.stored
+                    self.stats["backups_l3_present"] += len(found - ours)
+            ours.update(set(done.landed) - found)
             if done.in_l3 < len(targets):  # retried; refusals count against the write breaker
                 raise BackendUnavailable(f"L3 stored {done.in_l3} of {len(targets)} {kind.value} pages")
 
@@ -1192,8 +1215,9 @@ class Transfers:
         # The drain between: an evicted page a queued write holds frees only once it
         # landed, and staging takes free L2 pages only (it never waits).
         with self.ctl._mu:
+            stale_before = self._stale_before()
             for node in self.tree.iter_nodes():
-                if kinds := self.tree.slots_for_storage(node):
+                if kinds := self.tree.slots_for_storage(node, stale_before):
                     self.backup_to_storage(node, kinds)
         self.drain(max(0.0, deadline - time.monotonic()))
         # Staging passes until one writes nothing more: staging a slot may evict one staged
@@ -1206,7 +1230,7 @@ class Transfers:
                     if not self.tree.is_live(node):
                         continue  # evicted by an earlier node's staging
                     self.backup_to_host(node)  # (any slot L1 holds and L2 lacks; else nothing)
-                    if kinds := self.tree.slots_for_storage(node):
+                    if kinds := self.tree.slots_for_storage(node, stale_before):
                         self.backup_to_storage(node, kinds)
             self.drain(max(0.0, deadline - time.monotonic()))
             left, was = self.unflushed_pages(), left

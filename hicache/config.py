@@ -51,6 +51,7 @@ MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
 # At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
 # core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
 MIN_LEASE_MS = 100
+MIN_MOONCAKE_SEGMENT = 16 << 20  # the least global segment Mooncake's setup accepts
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
 L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's header (a test
@@ -390,6 +391,10 @@ class MooncakeStorageConfig:
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"{path}.protocol: {_brief(self.protocol)} is not one of ['rdma', 'tcp']")
         _positive(self.global_segment_size, f"{path}.global_segment_size")
+        if self.global_segment_size < MIN_MOONCAKE_SEGMENT:
+            # (Mooncake's setup refuses it, saying so only in its own log: -600 here)
+            raise ConfigError(f"{path}.global_segment_size: {self.global_segment_size} bytes is "
+                              f"under the {MIN_MOONCAKE_SEGMENT} (16 MiB) Mooncake mounts")
         _positive(self.local_buffer_size, f"{path}.local_buffer_size")
 
 

@@ -65,12 +65,13 @@ def redis_factory() -> Iterator[Callable[[], RedisServer]]:
 
 @pytest.fixture
 def mooncake_factory() -> Iterator[Callable[[], MooncakeMaster]]:
-    """Private mooncake_master instances (for stop/restart tests), stopped after the test."""
+    """Private mooncake_master instances (for stop/restart tests), stopped after the test;
+    `make(*flags)` passes more flags to the master."""
     _mooncake_importable()
     started: list[Service] = []
 
-    def make() -> MooncakeMaster:
-        master = MooncakeMaster(_binary("mooncake_master"))
+    def make(*extra_args: str) -> MooncakeMaster:
+        master = MooncakeMaster(_binary("mooncake_master"), extra_args)
         started.append(master)
         master.start()
         return master

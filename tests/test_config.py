@@ -188,14 +188,17 @@ def test_mooncake_environment_fills_missing_keys_and_yaml_wins() -> None:
     env = {
         "MOONCAKE_MASTER": "10.0.0.1:50051",
         "MOONCAKE_TE_META_DATA_SERVER": "http://10.0.0.1:8080/metadata",
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1048576",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "33554432",
     }
     cfg = load_config(overrides=["storage.backend=mooncake", "storage.mooncake.master=h:1"], env=env)
     assert cfg.storage.mooncake.master == "h:1"
     assert cfg.storage.mooncake.metadata_server == "http://10.0.0.1:8080/metadata"
-    assert cfg.storage.mooncake.global_segment_size == 1048576
+    assert cfg.storage.mooncake.global_segment_size == 33554432
     with pytest.raises(ConfigError, match="MOONCAKE_GLOBAL_SEGMENT_SIZE: 'lots' is not an integer"):
         load_config(env={"MOONCAKE_GLOBAL_SEGMENT_SIZE": "lots"})
+    # Mooncake mounts no segment under 16 MiB (its setup fails with a bare -600)
+    with pytest.raises(ConfigError, match="global_segment_size: 8388608 bytes is under the 16777216"):
+        load_config(env={**env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(8 << 20)})
 
 
 def test_config_is_frozen() -> None:

@@ -219,14 +219,14 @@ def test_a_segment_size_that_is_not_an_integer_names_the_variable() -> None:
 
 
 def test_the_environment_fills_null_keys_and_a_yaml_value_wins() -> None:
-    env = {**MOONCAKE, "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1024"}
+    env = {**MOONCAKE, "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "33554432"}
     cfg = load_config(None, ["storage.backend=mooncake", "storage.mooncake.protocol=tcp"], env=env)
     assert cfg.storage.mooncake.protocol == "tcp"  # YAML wins
-    assert cfg.storage.mooncake.global_segment_size == 1024  # null in the file: from the env
+    assert cfg.storage.mooncake.global_segment_size == 33554432  # null in the file: from the env
     assert cfg.storage.mooncake.master == MOONCAKE["MOONCAKE_MASTER"]
     # a `storage:` or `storage.mooncake:` left null still takes the environment
     for item in ("storage=null", "storage.mooncake=null"):
-        assert load_config(None, [item], env=env).storage.mooncake.global_segment_size == 1024
+        assert load_config(None, [item], env=env).storage.mooncake.global_segment_size == 33554432
     assert "storage.mooncake: expected a mapping" in config_error(["storage.mooncake=abc"], env)
 
 

@@ -189,9 +189,11 @@ class MooncakeMaster(Service):
 
     name = "mooncake_master"
 
-    def __init__(self, binary: str) -> None:
+    def __init__(self, binary: str, extra_args: Sequence[str] = ()) -> None:
+        """`extra_args`: more `mooncake_master` flags (e.g. `--eviction_ratio=0`)."""
         super().__init__(binary)
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.extra_args = tuple(extra_args)
 
     @property
     def master(self) -> str:
@@ -209,6 +211,7 @@ class MooncakeMaster(Service):
             "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.http_port}",
             f"--metrics_port={self.metrics_port}",
+            *self.extra_args,
         ]
 
     def ready_ports(self) -> list[int]:

@@ -474,6 +474,11 @@ class HiRadixTree:
             return []
         return [c.kind for c in self.components if mask[c.index] & host and not mask[c.index] & skip]
 
+    def storage_stale(self, node: object, stale_before: float) -> bool:
+        """Whether `node`'s FULL slot is recorded in STORAGE since before `stale_before`."""
+        assert isinstance(node, Node)
+        return bool(node.mask[FULL_INDEX] & (1 << Tier.STORAGE)) and node.stored_at < stale_before
+
     def storage_renewed(self, node: object) -> None:
         """`node`'s objects were written to L3 again, or found there (renewing their expiry):
         its record of FULL in STORAGE dates from now (see `slots_for_storage`)."""

@@ -169,6 +169,7 @@ class StorageBackend(abc.ABC):
         # (Mooncake) register this array in `start()`.
         self._canary_area = np.zeros(2 * (HEADER_BYTES + CANARY_PAYLOAD), dtype=np.uint8)
         self._canary_lock = threading.Lock()
+        self._kept_canaries: list[np.ndarray] = []  # (a stuck call may still use them)
         # Per-object warnings (a store full of junk would log one per page read).
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))
         # Times a probe found the store had lost what it held (its caller then forgets
@@ -361,17 +362,19 @@ class StorageBackend(abc.ABC):
             self._counters.deleted += removed
         return removed
 
-    def health(self, deep: bool = False) -> BackendHealth:
+    def health(self, deep: bool = False, canary_bytes: int = 0) -> BackendHealth:
         """Probe the store; never raises for an unreachable store (reports it instead).
 
         Shallow: the client's own liveness check. Deep: also a canary object written, read
-        back, verified and deleted (under a key unique to this process).
+        back, verified and deleted (under a key unique to this process), of
+        `canary_bytes` (at least a small one's): a store that refuses objects the size of
+        the daemon's pages is not taking its writes, whatever a small object shows.
         """
         t0 = time.perf_counter()
         try:
             detail, capacity, used = self._probe()
             if deep:
-                self._canary_round_trip()
+                self._canary_round_trip(max(CANARY_PAYLOAD, canary_bytes - HEADER_BYTES))
                 detail += "; canary write/read/verify/delete ok"
             healthy = True
         except (BackendUnavailable, ObjectCorrupt) as e:
@@ -510,35 +513,52 @@ class StorageBackend(abc.ABC):
                 self._counters.unavailable += 1
             raise
 
-    def _canary_round_trip(self) -> None:
+    def _canary_round_trip(self, payload: int = CANARY_PAYLOAD) -> None:
+        with self._canary_lock:
+            area = self._canary_area
+            if area.nbytes >= 2 * (HEADER_BYTES + payload):
+                self._canary_in(area, payload)
+                return
+            # A page-sized canary: an area of its own (registered where the store needs
+            # that), kept for good if a call given up on may still write into it.
+            area = np.zeros(2 * (HEADER_BYTES + payload), dtype=np.uint8)
+            self.register_host_buffer(area.ctypes.data, area.nbytes)
+            try:
+                self._canary_in(area, payload)
+            finally:
+                if self._stuck_calls():
+                    self._kept_canaries.append(area)
+                else:
+                    self.unregister_host_buffer(area.ctypes.data)
+
+    def _canary_in(self, area: np.ndarray, payload: int) -> None:
         # Under the prefix of every key the daemon writes: a store account limited to it
         # (a Redis ACL `~hc2/*`) must pass the check it passes in service.
         # A write refused for one key is that key's failure (a stray file where the file
         # store's fan-out folder belongs, say), not the store's: fresh keys are tried, and
         # only a store that refuses each is unhealthy.
-        size = HEADER_BYTES + CANARY_PAYLOAD
-        with self._canary_lock:
-            src, dst = self._canary_area[:size], self._canary_area[size:]
-            refused: list[str] = []
-            for _ in range(CANARY_KEYS):
-                key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
-                src[HEADER_BYTES:] = np.frombuffer(os.urandom(CANARY_PAYLOAD), dtype=np.uint8)
-                dst[:] = 0
-                write_header(src, key)
-                try:
-                    (status,) = self._write_from([key], [src])
-                    if status is not PutStatus.STORED:
-                        refused.append(status.value)
-                        continue
-                    (got,) = self._read_into([key], [dst])
-                    if got == MISSING:
-                        raise BackendUnavailable(f"{self.name}: canary written but not found")
-                    check_object(dst, key, dst.nbytes if got == VERIFIED else got)
-                    return
-                finally:
-                    self._remove([key])
-            raise BackendUnavailable(f"{self.name}: canary write refused for {len(refused)} "
-                                     f"keys ({', '.join(refused)})")
+        size = HEADER_BYTES + payload
+        src, dst = area[:size], area[size : 2 * size]
+        refused: list[str] = []
+        for _ in range(CANARY_KEYS):
+            key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
+            src[HEADER_BYTES:] = np.frombuffer(os.urandom(payload), dtype=np.uint8)
+            dst[:] = 0
+            write_header(src, key)
+            try:
+                (status,) = self._write_from([key], [src])
+                if status is not PutStatus.STORED:
+                    refused.append(status.value)
+                    continue
+                (got,) = self._read_into([key], [dst])
+                if got == MISSING:
+                    raise BackendUnavailable(f"{self.name}: canary written but not found")
+                check_object(dst, key, dst.nbytes if got == VERIFIED else got)
+                return
+            finally:
+                self._remove([key])
+        raise BackendUnavailable(f"{self.name}: canary write refused for {len(refused)} "
+                                 f"keys ({', '.join(refused)})")
 
 
 def verified(keys: Sequence[str], buffers: Sequence[np.ndarray], sizes: list[int]) -> list[int]:

@@ -38,5 +38,5 @@ class NullBackend(StorageBackend):
     def _probe(self) -> tuple[str, int | None, int | None]:
         return "no L3 backend configured (storage.backend: none)", 0, 0
 
-    def _canary_round_trip(self) -> None:
+    def _canary_round_trip(self, payload: int = 0) -> None:
         return None
