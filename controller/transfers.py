@@ -516,10 +516,10 @@ class Transfers:
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
 
-        stored: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
+        landed: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
 
         def run() -> None:
-            self._write_l3(namespace, hashes, pages, stored)  # raises to be retried; give-up releases
+            self._write_l3(namespace, hashes, pages, landed)  # raises to be retried; give-up releases
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
                 # A node still in the tree (in L1, or with other slots) records its L3 copy,
@@ -951,10 +951,10 @@ class Transfers:
                                 and np.array_equal(now, ids[len(ids) - len(now) :])):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
 
-        stored: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
+        landed: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
 
         def run() -> None:
-            self._write_l3(namespace, hashes, pages, stored)
+            self._write_l3(namespace, hashes, pages, landed)
             finish(True)
 
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
@@ -994,25 +994,25 @@ class Transfers:
             yield kind, ids, page_hashes[len(page_hashes) - len(ids) :], self.cfg.model.family(kind)
 
     def _write_l3(self, namespace: str, hashes: bytes, pages: dict[ComponentKind, np.ndarray],
-                  stored: dict[ComponentKind, set[int]]) -> None:
+                  landed: dict[ComponentKind, set[int]]) -> None:
         """Store `pages`; raises unless L3 holds them all. Every attempt writes every page
         (a store that evicts to make room, Mooncake, then keeps the pages an earlier
         attempt stored rather than push them out for the rest: a chain's head must stay
-        for its tail to be of use). `stored`: the pages (indices, by kind) earlier attempts
-        of this job stored, added to. Counts FULL pages: stored (`backups_l3`) or found
-        there already (`backups_l3_present`: another daemon, or an earlier job of the same
-        pages, stored them; not this job's own earlier attempt)."""
+        for its tail to be of use). `landed`: the pages (indices, by kind) earlier attempts
+        of this job got into L3, added to. Counts FULL pages: stored (`backups_l3`) or
+        found there already (`backups_l3_present`: another daemon, or an earlier job of
+        the same pages, stored them), each once per job: a retry finds the pages its
+        earlier attempt stored, which are not another's."""
         l3 = self.ctl.l3
         assert l3 is not None
         for kind, ids, targets, members in self._l3_targets(hashes, pages):
             done = l3.write(namespace, targets, members, ids)
-            ours = stored.setdefault(kind, set())
-            found = set(done.found)
+            seen = landed.setdefault(kind, set())
             if kind is FULL:
                 with self.ctl._mu:
                     self.stats["backups_l3"] += done.stored
-                    self.stats["backups_l3_present"] += len(found - ours)
-            ours.update(set(done.landed) - found)
+                    self.stats["backups_l3_present"] += len(set(done.found) - seen)
+            seen.update(done.landed)
             if done.in_l3 < len(targets):  # retried; refusals count against the write breaker
                 raise BackendUnavailable(f"L3 stored {done.in_l3} of {len(targets)} {kind.value} pages")
 
