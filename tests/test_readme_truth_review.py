@@ -476,12 +476,12 @@ def _bootstrap() -> str:
 
 
 def test_quick_start_test_command_runs_what_the_readme_says() -> None:
-    """"pytest on two workers, a test file each ...; `HICACHE_TEST_WORKERS=N` sets the
+    """"pytest on three workers, a test file each ...; `HICACHE_TEST_WORKERS=N` sets the
     workers, 0 none; `.ci/run` calls exactly this"; ruff and mypy via scripts/typecheck.py."""
     qs = " ".join(section("## Quick start").split())
     script = _bootstrap()
-    assert "pytest on two workers, a test file each" in qs
-    assert re.search(r"workers=\$\{HICACHE_TEST_WORKERS:-2\}", script)
+    assert "pytest on three workers, a test file each" in qs
+    assert re.search(r"workers=\$\{HICACHE_TEST_WORKERS:-3\}", script)
     assert re.search(r'pytest -n "\$workers" --dist loadfile', script)
     assert "`HICACHE_TEST_WORKERS=N` sets the workers, 0 none" in qs
     zero = re.search(r'if \[ "\$workers" = 0 \]; then\s*\n\s*"\$VENV/bin/python" -m pytest "\$@"',
