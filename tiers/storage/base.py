@@ -169,6 +169,7 @@ class StorageBackend(abc.ABC):
         # (Mooncake) register this array in `start()`.
         self._canary_area = np.zeros(2 * (HEADER_BYTES + CANARY_PAYLOAD), dtype=np.uint8)
         self._canary_lock = threading.Lock()
+        self._page_canary: np.ndarray | None = None  # (`_canary_round_trip`)
         self._kept_canaries: list[np.ndarray] = []  # (a stuck call may still use them)
         # Per-object warnings (a store full of junk would log one per page read).
         self._warn = ThrottledLog(logging.getLogger(type(self).__module__))
@@ -514,22 +515,29 @@ class StorageBackend(abc.ABC):
             raise
 
     def _canary_round_trip(self, payload: int = CANARY_PAYLOAD) -> None:
+        need = 2 * (HEADER_BYTES + payload)
         with self._canary_lock:
             area = self._canary_area
-            if area.nbytes >= 2 * (HEADER_BYTES + payload):
-                self._canary_in(area, payload)
-                return
-            # A page-sized canary: an area of its own (registered where the store needs
-            # that), kept for good if a call given up on may still write into it.
-            area = np.zeros(2 * (HEADER_BYTES + payload), dtype=np.uint8)
-            self.register_host_buffer(area.ctypes.data, area.nbytes)
-            try:
-                self._canary_in(area, payload)
-            finally:
-                if self._stuck_calls():
-                    self._kept_canaries.append(area)
-                else:
-                    self.unregister_host_buffer(area.ctypes.data)
+            if area.nbytes < need:
+                # A page-sized canary (`health(canary_bytes=...)`, every probe interval
+                # while writes are refused): an area of its own, registered where the
+                # store needs that, kept for the next probe.
+                area = self._page_canary
+                if area is None or area.nbytes < need:
+                    area = np.zeros(need, dtype=np.uint8)
+                    self.register_host_buffer(area.ctypes.data, area.nbytes)
+                    if self._page_canary is not None:
+                        self._retire_canary(self._page_canary)
+                    self._page_canary = area
+            self._canary_in(area, payload)
+
+    def _retire_canary(self, area: np.ndarray) -> None:
+        """An area no canary uses any more: unregistered, or kept for good while a call
+        given up on may still write into it."""
+        if self._stuck_calls():
+            self._kept_canaries.append(area)
+        else:
+            self.unregister_host_buffer(area.ctypes.data)
 
     def _canary_in(self, area: np.ndarray, payload: int) -> None:
         # Under the prefix of every key the daemon writes: a store account limited to it
@@ -542,7 +550,7 @@ class StorageBackend(abc.ABC):
         refused: list[str] = []
         for _ in range(CANARY_KEYS):
             key = f"{CANARY_PREFIX}{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex}"
-            src[HEADER_BYTES:] = np.frombuffer(os.urandom(payload), dtype=np.uint8)
+            _fill_random(src[HEADER_BYTES:])
             dst[:] = 0
             write_header(src, key)
             try:
@@ -559,6 +567,17 @@ class StorageBackend(abc.ABC):
                 self._remove([key])
         raise BackendUnavailable(f"{self.name}: canary write refused for {len(refused)} "
                                  f"keys ({', '.join(refused)})")
+
+
+def _fill_random(body: np.ndarray) -> None:
+    """`body` filled with CANARY_PAYLOAD random bytes, repeated (a page-sized canary would
+    cost a random byte each: ~0.1 s for 20 MiB here, every probe interval)."""
+    n = min(len(body), CANARY_PAYLOAD)
+    body[:n] = np.frombuffer(os.urandom(n), dtype=np.uint8)
+    while n < len(body):
+        step = min(n, len(body) - n)
+        body[n : n + step] = body[:step]
+        n += step
 
 
 def verified(keys: Sequence[str], buffers: Sequence[np.ndarray], sizes: list[int]) -> list[int]:

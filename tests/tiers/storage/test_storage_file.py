@@ -560,3 +560,31 @@ def test_a_pipelined_call_waits_for_a_free_pipeline_thread_within_the_timeout(tm
             future.result(10)
     assert backend.get_into(ks, dst.slots()) == [GetStatus.HIT] * n
     backend.close()
+
+
+def test_a_page_sized_canary_writes_an_object_that_size_and_keeps_its_area(tmp_path: Path) -> None:
+    """`health(deep=True, canary_bytes=N)` (the write breaker's probe) proves the store
+    takes an object of a page's size, not only a small one; its area is kept for the next
+    probe (and grown once when a larger one is asked), and nothing stays in the store."""
+    backend = _backend(tmp_path)
+    sizes: list[int] = []
+    write = backend._write_from
+
+    def recorded(keys, buffers):  # type: ignore[no-untyped-def]
+        sizes.extend(b.nbytes for b in buffers)
+        return write(keys, buffers)
+
+    backend._write_from = recorded  # type: ignore[method-assign]
+    try:
+        assert backend.health(deep=True).healthy
+        assert sizes == [64 + 4096]  # (the small canary: header + 4 KiB)
+        assert backend.health(deep=True, canary_bytes=1 << 20).healthy
+        assert sizes[-1] == 1 << 20
+        area = backend._page_canary
+        assert area is not None and backend.health(deep=True, canary_bytes=1 << 19).healthy
+        assert backend._page_canary is area and sizes[-1] == 1 << 19
+        assert backend.health(deep=True, canary_bytes=1 << 21).healthy
+        assert backend._page_canary is not area and sizes[-1] == 1 << 21
+        assert _files(tmp_path) == 0
+    finally:
+        backend.close()
