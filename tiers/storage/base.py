@@ -522,12 +522,14 @@ class StorageBackend(abc.ABC):
                 # A page-sized canary (`health(canary_bytes=...)`, every probe interval
                 # while writes are refused): an area of its own, registered where the
                 # store needs that, kept for the next probe.
-                area = self._page_canary
-                if area is None or area.nbytes < need:
+                kept = self._page_canary
+                if kept is not None and kept.nbytes >= need:
+                    area = kept
+                else:
                     area = np.zeros(need, dtype=np.uint8)
                     self.register_host_buffer(area.ctypes.data, area.nbytes)
-                    if self._page_canary is not None:
-                        self._retire_canary(self._page_canary)
+                    if kept is not None:
+                        self._retire_canary(kept)
                     self._page_canary = area
             self._canary_in(area, payload)
 
