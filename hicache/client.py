@@ -701,6 +701,9 @@ class Client:
         except FailedPrecondition:
             lock = out.lock_id if isinstance(out, MatchOutcome) else 0
             self._drop_handles(lock, out.allocation_id if new else 0)
+            if isinstance(out, MatchOutcome) and out.prefetch_id:
+                with contextlib.suppress(HicacheError):  # (for a request nobody will make)
+                    self.cancel_prefetch(out.prefetch_id)
             raise
 
     def _misanswered(self, asked: str | None, kind: str, result: Any) -> FailedPrecondition:

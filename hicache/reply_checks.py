@@ -44,9 +44,12 @@ class ReplyBounds:
                 raise _bad(f"{field}[{member}]: a member this engine has no pool of")
             if not len(ids):
                 continue
-            low, high = int(ids.min()), int(ids.max())
+            # One reduction: shifted by the hole value (-1 where allowed), a negative id
+            # reads as a huge unsigned one (two reductions cost twice, on every match).
             floor = -1 if holes and member in self._holes else 0
-            if low < floor or high >= limit:
+            shifted = ids - floor if floor else ids
+            if int(shifted.view(np.uint64).max()) >= limit - floor:
+                low, high = int(ids.min()), int(ids.max())
                 bad = low if low < floor else high
                 raise _bad(f"{field}[{member}]: page id {bad} outside its pool of {limit} pages")
 
