@@ -159,7 +159,9 @@ class HybridCacheController(CacheService):
         try:
             store = open_l3(self.cfg, self.host)
         except Exception as e:  # unreachable, or refusing the registration: retried later
-            log.warning("L3 %s: not connected: %s", self.cfg.storage.backend.value, e)
+            if str(e) != self.l3_down:  # (retried every few seconds: news only)
+                log.warning("L3 %s: not connected: %s (retrying every %g s)",
+                            self.cfg.storage.backend.value, e, L3_CONNECT_RETRY_S)
             self.l3_down = str(e)
             return
         if self._stop.is_set():  # closed meanwhile
@@ -782,6 +784,8 @@ class HybridCacheController(CacheService):
             counters["sessions_closed_for_room"] = self.tree.sessions_closed_for_room
             # (exported from the start: 0 while no L3 is connected, down at start too)
             counters["l3_breaker_trips"] = self.l3.breaker.trips if self.l3 is not None else 0
+            counters["l3_write_breaker_trips"] = (
+                self.l3.write_breaker.trips if self.l3 is not None else 0)
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
         l3 = (self.l3.stats(),) if self.l3 is not None else ()

@@ -72,7 +72,7 @@ class L3Store:
         self.host = host
         self.model_id = model_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.breaker = breaker or CircuitBreaker()
+        self.breaker = breaker or CircuitBreaker(name=f"L3 {backend.name} circuit breaker")
         self.cache = cache or ExistenceCache(
             present_ttl_s=None if object_ttl_s is None else object_ttl_s / 2)
         # A store that went down may come back without what it held (a restarted Redis
@@ -83,7 +83,10 @@ class L3Store:
         # Writes the store answered but refused (full, no eviction; a restarted master not
         # ready yet) trip this breaker only: backups stop, reads and lookups go on (a full
         # store still serves all it holds). The prober's canary write closes it.
-        self.write_breaker = CircuitBreaker()
+        self.write_breaker = CircuitBreaker(
+            name=f"L3 {backend.name} write breaker",
+            failures="refused writes (the store answers but takes no writes: backups are "
+                     "dropped, reads go on)")
         self.last_health: BackendHealth | None = None
         self.latency = L3OpRecorder(backend.name)
         self._warn = ThrottledLog(log)  # every failed call of a flapping store

@@ -1239,8 +1239,9 @@ class Transfers:
         return self.stats["backups_l3"] - before
 
     def unflushed_pages(self) -> int:
-        """FULL pages L1/L2 hold that L3 lacks (after a flush: those it could not write)."""
-        if self.ctl.l3 is None:
+        """FULL pages L1/L2 hold that L3 lacks (after a flush: those it could not write);
+        0 without an L3 configured (one configured that never connected lacks them all)."""
+        if self.ctl.l3 is None and self.ctl.l3_down is None:
             return 0
         with self.ctl._mu:
             return self.tree.full_pages_only_above(Tier.STORAGE)

@@ -37,12 +37,17 @@ class CircuitBreaker:
     during which `allow()` is False; then one probe decides (half-open)."""
 
     def __init__(self, threshold: int = 3, cooldown_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 name: str = "L3 circuit breaker", failures: str = "failures") -> None:
+        """`name` and `failures` (what a failure is) word its log lines."""
+        self.name = name
+        self._failures_are = failures
         self._threshold = threshold
         self._cooldown = cooldown_s
         self._clock = clock
         self._failures = 0
         self._opened_at: float | None = None
+        self._tripped_at: float | None = None  # when it opened (the half-open probes restamp `_opened_at`)
         self._mu = threading.Lock()
         self.trips = 0
         # Called (on the failing call's thread, the breaker's lock not held) when it opens.
@@ -78,16 +83,19 @@ class CircuitBreaker:
     def success(self) -> None:
         with self._mu:
             self._failures = 0
+            tripped_at, self._tripped_at = self._tripped_at, None
             self._opened_at = None
+        if tripped_at is not None:  # (the outage's end, once: an operator reads when)
+            log.warning("%s closed after %.1f s open", self.name, self._clock() - tripped_at)
 
     def failure(self) -> None:
         with self._mu:
             self._failures += 1
             tripped = self._failures >= self._threshold and self._opened_at is None
             if tripped:
-                self._opened_at = self._clock()
+                self._opened_at = self._tripped_at = self._clock()
                 self.trips += 1
-                log.warning("L3 circuit breaker open after %d failures", self._failures)
+                log.warning("%s open after %d %s", self.name, self._failures, self._failures_are)
         if tripped:
             for listener in self.on_trip:
                 listener()

@@ -70,14 +70,17 @@ class RedisBackend(StorageBackend):
             raise BackendUnavailable(
                 f"redis {redact_url(self.cfg.url)}: redis-py cannot read the URL") from None
         self._pool, self._client = pool, redis.Redis(connection_pool=pool)
-        log.info(
+        try:
+            self._probe()
+        except BackendUnavailable as e:  # (which store: the URL, its credentials left out)
+            raise BackendUnavailable(f"{e} (at {redact_url(self.cfg.url)})") from None
+        log.info(  # (once it answered: a daemon retrying a store that is down says so once)
             "L3 redis backend: %s, batch %d, pool %d, ttl %s",
             redact_url(self.cfg.url),
             self.cfg.batch,
             self.cfg.pool_size,
             self.cfg.ttl_s,
         )
-        self._probe()
 
     def close(self, wait_s: float = 0.0) -> bool:
         self._caller.close()
