@@ -528,7 +528,8 @@ class Transfers:
                 # it is not recorded (a later write of it finds the objects present).
                 node = victim.node
                 if self.tree.is_live(node):
-                    self.tree.storage_renewed(node)  # (a record of FULL, written again)
+                    if FULL in pages:  # (a checkpoint or window leaving alone renews nothing)
+                        self.tree.storage_renewed(node)
                     for kind in (FULL, MAMBA):
                         if kind in pages and not self.tree.is_resident(node, kind, Tier.STORAGE):
                             self.tree.set_resident(node, kind, Tier.STORAGE)
@@ -883,9 +884,11 @@ class Transfers:
                 continue
             if (stale_before is not None and self.tree.storage_stale(node, stale_before)
                     and not self.tree.is_resident(node, FULL, Tier.HOST)
-                    and self.tree.is_resident(node, FULL, Tier.DEVICE)):
+                    and self.tree.is_resident(node, FULL, Tier.DEVICE)
+                    and id(node) not in self._queued_l2):
                 # An expiring record of a slot L2 let go (`l1_to_l2: write_back`): written
-                # again from a copy in L2, like any L3 write.
+                # again from a copy in L2, like any L3 write. (A copy queued already lands
+                # and is written then.)
                 self._backup_to_host_or_count(node, "L3 record renewal")
             # (A checkpoint or window committed after FULL went down goes on its own.)
             if kinds := self.tree.slots_for_storage(node, stale_before):
@@ -932,7 +935,8 @@ class Transfers:
                 # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
                 # the head was written too and will only be skipped as present next time.
                 if self.tree.is_live(node):
-                    self.tree.storage_renewed(node)  # (a record of FULL, written again)
+                    if FULL in pages:  # (a record of FULL, written again)
+                        self.tree.storage_renewed(node)
                     for kind, ids in pages.items():
                         # What L2 holds now must be what was written (or, after a split, its
                         # tail): an SWA tail replaced by a longer one is not all in L3.
