@@ -310,15 +310,22 @@ class L3Store:
         return health.healthy
 
     def probe(self, deep: bool = False) -> BackendHealth:
-        """Ask the backend's health now (timed; an unhealthy answer counts as UNAVAILABLE)."""
+        """Ask the backend's health now (timed; an unhealthy answer counts as UNAVAILABLE).
+        A deep probe whose canary alone failed (the store answers, but takes no writes: a
+        full Redis, a full Mooncake segment) counts against the write breaker only: a
+        full L3 still serves, and any tenant may ask for a deep check."""
         health = self._timed_health(deep)
-        self.last_health = health
+        serving = health
         if health.healthy:
             if deep:
                 self.write_breaker.success()
             self.breaker.success()
+        elif deep and (serving := self._timed_health(False)).healthy:
+            self.write_breaker.failure()
+            self.breaker.success()
         else:
             self.breaker.failure()
+        self.last_health = serving  # (readiness: whether it serves, which a full store does)
         return health
 
     def _timed_health(self, deep: bool, canary_bytes: int = 0) -> BackendHealth:

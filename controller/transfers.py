@@ -140,6 +140,7 @@ class Transfers:
         # Nodes with a copy queued, so a second request over the same path does not queue
         # (and write) it again.
         self._queued_l2: set[int] = set()
+        self._flushing = threading.Lock()  # (`flush`: one at a time)
         self._queued_l3: set[int] = set()
         # write_through: nodes whose L1->L2 copy found no room (L2's pages held by L3
         # writes in flight), copied as they leave L1 (`_l1_victim_uncopied`); while there
@@ -1205,11 +1206,21 @@ class Transfers:
 
     def flush(self, timeout_s: float) -> int:
         """Everything L3 lacks goes down (L1-only slots via L2 first); waits up to
-        `timeout_s`; returns pages written."""
+        `timeout_s`; returns pages written. One flush at a time: a second waits (within
+        its timeout) for the one under way, then writes what is left, so that two never
+        both count the pages written meanwhile."""
         deadline = time.monotonic() + timeout_s
-        before = self.stats["backups_l3"]
         if self.ctl.l3 is None:
             return 0
+        if not self._flushing.acquire(timeout=max(0.0, timeout_s)):
+            return 0
+        try:
+            return self._flush(deadline)
+        finally:
+            self._flushing.release()
+
+    def _flush(self, deadline: float) -> int:
+        before = self.stats["backups_l3"]
         # NOTE: jobs already queued land first. A node whose L3 write is still queued is
         # not L3-resident yet, so scanning now would queue (and write, and count) it twice.
         self.drain(max(0.0, deadline - time.monotonic()))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -125,6 +126,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
+MAX_FLUSH_MS = (1 << 32) - 1  # FlushRequest.timeout_ms is a uint32 (~49.7 days)
 # A call that makes locks or allocations is given this much more than the caller waits:
 # a reply that comes in that time after the caller gave up has its handles released
 # (before the next heartbeat), rather than held for the engine's life.
@@ -854,8 +856,14 @@ class Client:
         """Write everything pending down to L3, waiting up to `timeout_s` (0: the daemon's
         `server.shutdown_flush_s`, which this side does not know: the call then waits up to
         the client's `timeout_s`); else the call waits that long and a little more."""
-        r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=int(timeout_s * 1e3)),
-                       repeatable=True, timeout_s=max(self.timeout_s, timeout_s + FLUSH_SLACK_S))
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidArgument(f"timeout_s: {timeout_s!r} must be a finite number of seconds "
+                                  ">= 0 (0: the daemon's server.shutdown_flush_s)")
+        # Whole milliseconds on the wire (uint32), rounded up: a positive timeout under 1 ms
+        # must not read as 0, the daemon's default.
+        timeout_ms = min(math.ceil(timeout_s * 1e3), MAX_FLUSH_MS)
+        r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=timeout_ms), repeatable=True,
+                       timeout_s=max(self.timeout_s, timeout_ms / 1e3 + FLUSH_SLACK_S))
         return int(r.pages_written)
 
     def serving(self, service: str = "") -> bool:
