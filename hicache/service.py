@@ -413,10 +413,12 @@ class AdminServicer(apb_grpc.AdminServicer):
         # before it with none written: the store took nothing (down, refusing writes,
         # never connected). Pages inserted during a flush that kept writing are the next
         # flush's.
+        # (FAILED_PRECONDITION, not DEADLINE_EXCEEDED: callers read that as their own
+        # deadline, an answer that never came.)
         if left and time.monotonic() - started >= timeout_s:
-            raise DeadlineExceeded(f"flushed {written} pages in {timeout_s:g} s; {left} pages L3 "
-                                   "lacks are not written yet (the store is down, refusing "
-                                   "writes, or slower than that)")
+            raise FailedPrecondition(f"flushed {written} pages in {timeout_s:g} s; {left} pages "
+                                     "L3 lacks are not written yet (the store is down, refusing "
+                                     "writes, or slower than that)")
         if left and not written:
             raise FailedPrecondition(f"flushed 0 pages; {left} pages L3 lacks were not written (the "
                               "store is down, refusing writes, or not connected)")

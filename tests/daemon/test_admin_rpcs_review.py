@@ -92,7 +92,7 @@ def test_a_sub_millisecond_flush_timeout_is_not_the_daemon_default(
     with d.client(timeout_s=15) as c:
         fill(c, 2)
         with Stopped(server):
-            # (a flush that leaves pages behind answers DEADLINE_EXCEEDED saying so)
+            # (a flush that leaves pages behind answers FAILED_PRECONDITION saying so)
             t0 = time.monotonic()
             with pytest.raises(HicacheError, match="4 pages L3 lacks are not written"):
                 c.flush(0.002)  # 2 ms: sent as 2, bounded as asked
