@@ -408,11 +408,10 @@ class AdminServicer(apb_grpc.AdminServicer):
         started = time.monotonic()
         written = self._core.flush(timeout_s)
         left = self._core.unflushed_pages()
-        # "Writes everything pending": pages left behind are an error, not an OK answer
-        # an operator would read as done. Left at the deadline: too slow (or hung); left
-        # before it with none written: the store took nothing (down, refusing writes,
-        # never connected). Pages inserted during a flush that kept writing are the next
-        # flush's.
+        # "Writes everything pending": pages left behind are an error, not an OK answer an
+        # operator would read as done. Left at the deadline: too slow (or hung); left before
+        # it with none written: the store took nothing (down, refusing writes, never
+        # connected). Pages inserted during a flush that kept writing are the next flush's.
         # (FAILED_PRECONDITION, not DEADLINE_EXCEEDED: callers read that as their own
         # deadline, an answer that never came.)
         if left and time.monotonic() - started >= timeout_s:
@@ -420,6 +419,6 @@ class AdminServicer(apb_grpc.AdminServicer):
                                      "L3 lacks are not written yet (the store is down, refusing "
                                      "writes, or slower than that)")
         if left and not written:
-            raise FailedPrecondition(f"flushed 0 pages; {left} pages L3 lacks were not written (the "
-                              "store is down, refusing writes, or not connected)")
+            raise FailedPrecondition(f"flushed 0 pages; {left} pages L3 lacks were not written "
+                                     "(the store is down, refusing writes, or not connected)")
         return apb.FlushResponse(pages_written=written)

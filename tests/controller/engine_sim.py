@@ -79,6 +79,16 @@ def tiny_config(tmp_path, *, hybrid: bool = False, sidecar: bool = False, backen
     return build_config(raw)
 
 
+def redis_kw(url: str, ttl_s: int | None, **kw: object) -> dict[str, object]:
+    """`built_controllers` keywords of a controller on the Redis at `url` (objects expire
+    `ttl_s` after their last use; None: never), writing through to L2 and L3, L1 512
+    tokens unless `kw` says otherwise."""
+    kw.setdefault("write__l1_to_l2", "write_through")
+    kw.setdefault("write__l2_to_l3", "write_through")
+    kw.setdefault("l1_tokens", 512)
+    return {"backend": "redis", "storage__redis": {"url": url, "ttl_s": ttl_s}, **kw}
+
+
 def toks(ids) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from engine_sim import Engine, built_controllers, seq, tree_path
+from engine_sim import Engine, built_controllers, redis_kw, seq, tree_path
 
 from hicache.config import FileStorageConfig, StorageConfig
 from hicache.controller.workers import CircuitBreaker
@@ -32,13 +32,6 @@ FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
 def make(tmp_path) -> Iterator[Callable[..., Any]]:
     with built_controllers(tmp_path, prefix="tdr") as factory:
         yield factory
-
-
-def _redis(url: str, ttl_s: int | None, **kw: Any) -> dict[str, Any]:
-    kw.setdefault("write__l1_to_l2", "write_through")
-    kw.setdefault("write__l2_to_l3", "write_through")
-    kw.setdefault("l1_tokens", 512)
-    return {"backend": "redis", "storage__redis": {"url": url, "ttl_s": ttl_s}, **kw}
 
 
 def _age(ctl: Any, tokens: bytes) -> None:
@@ -76,7 +69,7 @@ def test_a_checkpoint_leaving_l2_alone_does_not_renew_the_full_record(
         make: Callable[..., Any], redis_server: Any) -> None:
     r = redis.Redis.from_url(redis_server.url)
     r.flushall()
-    a = make(hybrid=True, **_redis(redis_server.url, 30, write__l2_to_l3="write_back"))
+    a = make(hybrid=True, **redis_kw(redis_server.url, 30, write__l2_to_l3="write_back"))
     prompt = seq(6, 500)
     Engine(a, "a").request(prompt)
     assert a.transfers.drain(10)
@@ -112,7 +105,7 @@ def test_a_full_slot_leaving_l2_under_a_stale_record_is_written_again(
     object renewed, its pages counted present once) and the record is fresh after."""
     r = redis.Redis.from_url(redis_server.url)
     r.flushall()
-    a = make(**_redis(redis_server.url, 30, write__l2_to_l3="write_back"))
+    a = make(**redis_kw(redis_server.url, 30, write__l2_to_l3="write_back"))
     prompt = seq(5, 900)
     Engine(a, "a").request(prompt)
     assert a.transfers.drain(10)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from engine_sim import Engine, built_controllers, evict_all, prefetch_back, seq, tree_path
+from engine_sim import Engine, built_controllers, evict_all, prefetch_back, redis_kw, seq, tree_path
 
 from hicache.config import RedisStorageConfig, StorageConfig
 from hicache.controller.base import MatchRequest
@@ -33,13 +33,6 @@ FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
 def make(tmp_path) -> Iterator[Callable[..., Any]]:
     with built_controllers(tmp_path, prefix="ttl") as factory:
         yield factory
-
-
-def _redis(url: str, ttl_s: int | None, **kw: Any) -> dict[str, Any]:
-    kw.setdefault("write__l1_to_l2", "write_through")
-    kw.setdefault("write__l2_to_l3", "write_through")
-    kw.setdefault("l1_tokens", 512)
-    return {"backend": "redis", "storage__redis": {"url": url, "ttl_s": ttl_s}, **kw}
 
 
 def _poll(cond: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
@@ -76,7 +69,7 @@ def test_a_stale_head_held_in_l1_only_is_written_again_under_a_longer_prompt(
         make: Callable[..., Any], redis_factory: Callable[[], Any]) -> None:
     server = redis_factory()
     r = redis.Redis.from_url(server.url)
-    kw = _redis(server.url, 2, write__l1_to_l2="write_back")
+    kw = redis_kw(server.url, 2, write__l1_to_l2="write_back")
     a, c = make(**kw), make(**kw)
     head, longer = seq(4, 2000), seq(4, 2000) + seq(4, 8000)
     ea = Engine(a, "a")
@@ -103,7 +96,7 @@ def test_a_flush_writes_a_stale_head_again_with_its_new_tail(
         make: Callable[..., Any], redis_factory: Callable[[], Any]) -> None:
     server = redis_factory()
     r = redis.Redis.from_url(server.url)
-    kw = _redis(server.url, 2, write__l2_to_l3="write_back")
+    kw = redis_kw(server.url, 2, write__l2_to_l3="write_back")
     a, c = make(**kw), make(**kw)
     head, longer = seq(4, 2000), seq(4, 2000) + seq(4, 8000)
     ea = Engine(a, "a")
@@ -146,7 +139,7 @@ def test_a_stale_hybrid_record_is_renewed_whole_once_and_counted_present(
     through it writes nothing."""
     r = redis.Redis.from_url(redis_server.url)
     r.flushall()
-    a = make(hybrid=True, **_redis(redis_server.url, 30))
+    a = make(hybrid=True, **redis_kw(redis_server.url, 30))
     prompt = seq(6, 100)
     ea = Engine(a, "a")
     ea.request(prompt)
@@ -177,7 +170,7 @@ def test_a_stale_record_with_an_swa_tail_is_rewritten_once_without_a_refused_lan
     """A node whose SWA slot is a tail (partial, never recorded in L3): its stale record's
     rewrite offers the tail too, lands without `InvalidArgument`, and is not repeated."""
     redis.Redis.from_url(redis_server.url).flushall()
-    a = make(hybrid=True, **_redis(redis_server.url, 30))
+    a = make(hybrid=True, **redis_kw(redis_server.url, 30))
     prompt = seq(6, 300)
     ea = Engine(a, "a")
     end = ea.insert_with_swa_tail(prompt, 2)
@@ -205,7 +198,7 @@ def test_a_stale_record_split_while_its_rewrite_is_queued(
     import threading
 
     redis.Redis.from_url(redis_server.url).flushall()
-    a = make(**_redis(redis_server.url, 30))
+    a = make(**redis_kw(redis_server.url, 30))
     prompt = seq(6, 700)
     ea = Engine(a, "a")
     ea.request(prompt)
@@ -257,7 +250,7 @@ def test_no_ttl_means_no_record_is_ever_written_again(
                  write__l1_to_l2="write_through", write__l2_to_l3="write_through", l1_tokens=512)
         assert a.l3.object_ttl_s is None
     else:
-        a = make(**_redis(redis_server.url, None))
+        a = make(**redis_kw(redis_server.url, None))
     prompt = seq(5, 40_000 + (store == "file") * 1000)
     ea = Engine(a, "a")
     ea.request(prompt)
@@ -280,7 +273,7 @@ def test_a_prefetch_landing_records_a_fresh_l3_copy(
     """Pages read back from L3 (a read renews their TTL) are recorded as just renewed: the
     next request's write-through path does not write them again."""
     redis.Redis.from_url(redis_server.url).flushall()
-    a = make(hybrid=True, **_redis(redis_server.url, 30))
+    a = make(hybrid=True, **redis_kw(redis_server.url, 30))
     prompt = seq(6, 1300)
     ea = Engine(a, "a")
     ea.request(prompt)
