@@ -50,10 +50,18 @@ def _writing(namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSp
 class L3Written(NamedTuple):
     """What one `L3Store.write` did, in pages (a page: every member's object)."""
 
-    in_l3: int  # pages L3 now holds: stored by this write, or there already
-    stored: int  # of those, pages this write stored (an object of theirs was new)
-    landed: tuple[int, ...] = ()  # which pages (indices into the write's) L3 now holds
-    found: tuple[int, ...] = ()  # which of those were there already (this write stored none)
+    landed: tuple[int, ...]  # which pages (indices into the write's) L3 now holds
+    found: tuple[int, ...]  # which of those were there already (this write stored none)
+
+    @property
+    def in_l3(self) -> int:
+        """Pages L3 now holds: stored by this write, or there already."""
+        return len(self.landed)
+
+    @property
+    def stored(self) -> int:
+        """Of those, pages this write stored (an object of theirs was new)."""
+        return len(self.landed) - len(self.found)
 
 
 class L3Store:
@@ -239,7 +247,6 @@ class L3Store:
         per = len(members)
         present: list[str] = []
         found: set[str] = set()  # answered PRESENT: something is there, maybe not ours
-        stored = 0
         landed: list[int] = []
         there: list[int] = []
         for page in range(len(hashes)):
@@ -251,14 +258,12 @@ class L3Store:
                 was_there = {k for k, s in zip(page_keys, page_statuses, strict=True)
                              if s is PutStatus.PRESENT}
                 found |= was_there
-                if len(was_there) < per:
-                    stored += 1
-                else:
+                if len(was_there) == per:
                     there.append(page)
         # One call for the batch: the cache then keeps the batch's first page most recent
         # (a path written node by node keeps that order within each node only).
         self.cache.add_present(present, found)
-        return L3Written(len(present) // per, stored, tuple(landed), tuple(there))
+        return L3Written(tuple(landed), tuple(there))
 
     def _transfer(self, op: L3Op, call: Callable[[list[str], list[np.ndarray]], list[_S]],
                   namespace: str, hashes: Sequence[bytes], members: Sequence[MemberSpec],

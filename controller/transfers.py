@@ -880,20 +880,22 @@ class Transfers:
             return
         threshold = self.cfg.write.selective_threshold
         stale_before = self._stale_before()
-        for node in nodes:
-            if policy is WritePolicy.WRITE_THROUGH_SELECTIVE and self.tree.hits(node) < threshold:
-                continue
+        selective = policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+        for node in nodes:  # (every match's path: the cheap mask tests first)
             if (stale_before is not None and self.tree.storage_stale(node, stale_before)
                     and not self.tree.is_resident(node, FULL, Tier.HOST)
                     and self.tree.is_resident(node, FULL, Tier.DEVICE)
-                    and id(node) not in self._queued_l2):
+                    and id(node) not in self._queued_l2
+                    and not (selective and self.tree.hits(node) < threshold)):
                 # An expiring record of a slot L2 let go (`l1_to_l2: write_back`): written
                 # again from a copy in L2, like any L3 write. (A copy queued already lands
                 # and is written then.)
                 self._backup_to_host_or_count(node, "L3 record renewal")
             # (A checkpoint or window committed after FULL went down goes on its own.)
-            if kinds := self.tree.slots_for_storage(node, stale_before):
-                self.backup_to_storage(node, kinds)
+            kinds = self.tree.slots_for_storage(node, stale_before)
+            if not kinds or (selective and self.tree.hits(node) < threshold):
+                continue
+            self.backup_to_storage(node, kinds)
 
     def _stale_before(self) -> float | None:
         """With a store whose objects expire (`storage.redis.ttl_s`), records of L3

@@ -61,7 +61,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hicache import convert
 from hicache.client_errors import RETRYABLE, error_for, from_rpc_error, op_error
-from hicache.config import MAX_MESSAGE_BYTES, MIN_LEASE_MS, header_value
+from hicache.config import MAX_MESSAGE_BYTES, MIN_LEASE_MS, UINT32_MAX, header_value
 from hicache.controller.base import (
     AllocationInfo,
     AttachInfo,
@@ -126,7 +126,6 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
-MAX_FLUSH_MS = (1 << 32) - 1  # FlushRequest.timeout_ms is a uint32 (~49.7 days)
 # A call that makes locks or allocations is given this much more than the caller waits:
 # a reply that comes in that time after the caller gave up has its handles released
 # (before the next heartbeat), rather than held for the engine's life.
@@ -701,29 +700,33 @@ class Client:
             else:
                 self._bounds.match(out, prompt_tokens)
         except FailedPrecondition:
-            lock = out.lock_id if isinstance(out, MatchOutcome) else 0
-            self._drop_handles(lock, out.allocation_id if new else 0)
-            if isinstance(out, MatchOutcome) and out.prefetch_id:
-                with contextlib.suppress(HicacheError):  # (for a request nobody will make)
-                    self.cancel_prefetch(out.prefetch_id)
+            if isinstance(out, MatchOutcome):
+                self._drop_handles(out.lock_id, out.allocation_id, out.prefetch_id)
+            elif new:
+                self._drop_handles(0, out.allocation_id)
             raise
 
     def _misanswered(self, asked: str | None, kind: str, result: Any) -> FailedPrecondition:
         """A Batch result of another op's kind: an error in the op's place, and the
         handles it names released (nobody would know them)."""
         if kind == "match_prefix":
-            self._drop_handles(result.match_prefix.lock_id, result.match_prefix.allocation_id)
+            made = result.match_prefix
+            self._drop_handles(made.lock_id, made.allocation_id, made.prefetch_id)
         elif kind == "allocate":
             self._drop_handles(0, result.allocate.allocation_id)
         return FailedPrecondition(f"Batch: the daemon answered a {asked} op with a {kind} result")
 
-    def _drop_handles(self, lock_id: int, allocation_id: int) -> None:
-        """Release handles of a reply refused (best effort, one plain Release each: a
-        daemon whose replies are junk may answer these wrongly too)."""
+    def _drop_handles(self, lock_id: int, allocation_id: int, prefetch_id: int = 0) -> None:
+        """Release what a refused reply made, and cancel its prefetch (for a request nobody
+        will make); best effort, one plain call each: a daemon whose replies are junk may
+        answer these wrongly too."""
         for handle in ({"lock_id": lock_id}, {"allocation_id": allocation_id}):
             if any(handle.values()):
                 with contextlib.suppress(HicacheError):
                     self.release(**handle, sync=False)
+        if prefetch_id:
+            with contextlib.suppress(HicacheError):
+                self.cancel_prefetch(prefetch_id)
 
     def _sync(self, sync: Sync) -> None:
         if hasattr(sync, "synchronize"):
@@ -861,7 +864,7 @@ class Client:
                                   ">= 0 (0: the daemon's server.shutdown_flush_s)")
         # Whole milliseconds on the wire (uint32), rounded up: a positive timeout under 1 ms
         # must not read as 0, the daemon's default.
-        timeout_ms = min(math.ceil(timeout_s * 1e3), MAX_FLUSH_MS)
+        timeout_ms = min(math.ceil(timeout_s * 1e3), UINT32_MAX)  # (~49.7 days)
         r = self._call(self._admin.Flush, apb.FlushRequest(timeout_ms=timeout_ms), repeatable=True,
                        timeout_s=max(self.timeout_s, timeout_ms / 1e3 + FLUSH_SLACK_S))
         return int(r.pages_written)

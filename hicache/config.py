@@ -47,7 +47,8 @@ from hicache.types import (
 
 MAX_FILE_THREADS = 64  # storage.file.threads
 GiB = 1 << 30
-MAX_LEASE_MS = (1 << 32) - 1  # lease_ms is a uint32 in the protocol
+UINT32_MAX = (1 << 32) - 1
+MAX_LEASE_MS = UINT32_MAX  # lease_ms is a uint32 in the protocol
 # At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
 # core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
 MIN_LEASE_MS = 100

@@ -414,11 +414,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         # connected). Pages inserted during a flush that kept writing are the next flush's.
         # (FAILED_PRECONDITION, not DEADLINE_EXCEEDED: callers read that as their own
         # deadline, an answer that never came.)
-        if left and time.monotonic() - started >= timeout_s:
-            raise FailedPrecondition(f"flushed {written} pages in {timeout_s:g} s; {left} pages "
-                                     "L3 lacks are not written yet (the store is down, refusing "
-                                     "writes, or slower than that)")
-        if left and not written:
-            raise FailedPrecondition(f"flushed 0 pages; {left} pages L3 lacks were not written "
-                                     "(the store is down, refusing writes, or not connected)")
+        if left and (not written or time.monotonic() - started >= timeout_s):
+            raise FailedPrecondition(f"flushed {written} pages; {left} pages L3 lacks are not "
+                                     "written (the store is down, refusing writes, not "
+                                     f"connected, or slower than {timeout_s:g} s)")
         return apb.FlushResponse(pages_written=written)

@@ -466,7 +466,8 @@ class HiRadixTree:
         mask = node.mask
         skip = storage
         if mask[FULL_INDEX] & storage:
-            if stale_before is not None and node.stored_at < stale_before and mask[FULL_INDEX] & host:
+            if (stale_before is not None and mask[FULL_INDEX] & host
+                    and self.storage_stale(node, stale_before)):
                 skip = 0
             else:
                 skip |= PARTIAL

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_sim import Engine, seq
+from tree_kit import freed, ids, toks, tree_of
 
 from hicache.controller.base import MatchRequest
 from hicache.tree import HiRadixTree
@@ -14,29 +15,6 @@ from hicache.types import ComponentKind, EvictionPolicy, Tier
 
 FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
 NO_L3 = {"storage__backend": "none"}
-
-
-def toks(start: int, n: int) -> bytes:
-    return np.arange(start, start + n, dtype="<u4").tobytes()
-
-
-def ids(*xs: int) -> np.ndarray:
-    return np.array(xs, dtype=np.int64)
-
-
-def tree_of(page_size: int = 4, swa_window: int | None = None, mamba: bool = False, **kw) -> HiRadixTree:
-    kinds: dict = {FULL: 0}
-    if swa_window is not None:
-        kinds[SWA] = swa_window
-    if mamba:
-        kinds[MAMBA] = 0
-    return HiRadixTree(page_size, kinds, **kw)
-
-
-def freed(tree: HiRadixTree, tier: Tier, kind: ComponentKind, n: int, before_drop=None) -> list[int]:
-    r = tree.evict(tier, kind, n, before_drop=before_drop)
-    tree.check_integrity()
-    return sorted(int(x) for x in r.freed[kind])
 
 
 def session_insert(tree: HiRadixTree, session: str, tokens: bytes, pages: dict, **kw):

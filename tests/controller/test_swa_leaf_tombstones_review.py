@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 from engine_sim import Engine, evict_all, seq, wait_prefetch
+from tree_kit import freed, ids, toks, tree_of
 
 from hicache.controller.base import MatchRequest, PrefetchState
 from hicache.tree import HiRadixTree
@@ -20,29 +21,6 @@ from hicache.types import ComponentKind, Tier
 
 FULL, SWA, MAMBA = ComponentKind.FULL, ComponentKind.SWA, ComponentKind.MAMBA
 DEV, HOST = Tier.DEVICE, Tier.HOST
-
-
-def toks(start: int, n: int) -> bytes:
-    return np.arange(start, start + n, dtype="<u4").tobytes()
-
-
-def ids(*xs: int) -> np.ndarray:
-    return np.array(xs, dtype=np.int64)
-
-
-def tree_of(page_size: int = 4, swa_window: int | None = None, mamba: bool = False, **kw) -> HiRadixTree:
-    kinds: dict = {FULL: 0}
-    if swa_window is not None:
-        kinds[SWA] = swa_window
-    if mamba:
-        kinds[MAMBA] = 0
-    return HiRadixTree(page_size, kinds, **kw)
-
-
-def freed(tree: HiRadixTree, tier: Tier, kind: ComponentKind, n: int) -> list[int]:
-    r = tree.evict(tier, kind, n)
-    tree.check_integrity()
-    return sorted(int(x) for x in r.freed[kind])
 
 
 def copy_to_host(tree: HiRadixTree, node, base: int) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,16 @@ class Daemon:
                 self.stop(signal.SIGKILL)
         for leftover in Path("/dev/shm").glob(f"hicache-*-{self.proc.pid}-*"):
             leftover.unlink(missing_ok=True)
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 15.0, poll_s: float = 0.02) -> bool:
+    """Whether `check()` comes true within `timeout_s` (asked every `poll_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(poll_s)
+    return check()
 
 
 def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[str]:

@@ -20,21 +20,13 @@ from hicache.errors import NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
-from .daemonkit import PAGE, Daemon, free_port, scrape, tokens
+from .daemonkit import PAGE, Daemon, eventually, free_port, scrape, tokens
 
 MakeDaemon = Callable[..., Daemon]
 LEASE_MS = 600
 TENANT_A = "token-of-tenant-a-0123456789"
 TENANT_B = "token-of-tenant-b-9876543210"
 
-
-def eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 class RawEngine:

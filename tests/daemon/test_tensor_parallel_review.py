@@ -13,7 +13,6 @@ came back with another rank's bytes reads wrong.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.tiers.storage.file import SUFFIX
 from hicache.tiers.storage.integrity import key_digest
 
-from .daemonkit import PAGE, TINY, Daemon, free_port, scrape, tokens
+from .daemonkit import PAGE, TINY, Daemon, eventually, free_port, scrape, tokens
 
 TP = 2
 PAGES = 5  # 320 tokens: above the prefetch threshold (256), within L1 (16 pages)
@@ -95,14 +94,6 @@ def oracles(atts: list[Attachment], tag: str) -> list[KvOracle]:
     """One content oracle per rank: each rank's shard has bytes of its own."""
     return [KvOracle(a.info, a.pools, f"{tag}#rank{r}") for r, a in enumerate(atts)]
 
-
-def eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
 
 
 def wait_prefetch(c: Client, prefetch_id: int) -> PrefetchState:

@@ -21,7 +21,6 @@ hybrid model's members and checkpoints per rank.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,7 +37,7 @@ from hicache.controller.base import PrefetchState
 from hicache.errors import FailedPrecondition, InvalidArgument, NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 
-from .daemonkit import FULL_SWA_MAMBA, PAGE, Daemon, free_port, scrape, tokens
+from .daemonkit import FULL_SWA_MAMBA, PAGE, Daemon, eventually, free_port, scrape, tokens
 
 TP = 2
 MakeDaemon = Callable[..., Daemon]
@@ -162,14 +161,6 @@ def counters(d: Daemon) -> dict[str, float]:
 def l1_used(c: Client) -> int:
     return next(p.used_pages for p in c.stats().pools if p.tier == "device")
 
-
-def eventually(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
 
 
 def store(c0: Client, ors: list[KvOracle], seq: bytes, ns: str) -> None:

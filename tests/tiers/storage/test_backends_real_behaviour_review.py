@@ -23,7 +23,7 @@ from storage_pages import Pool, keys, storage_config
 
 from hicache.bench.services import MooncakeMaster, RedisServer
 from hicache.config import FileStorageConfig, MemberSpec
-from hicache.controller.storage_io import L3Store
+from hicache.controller.storage_io import L3Store, L3Written
 from hicache.errors import BackendUnavailable, ConfigError
 from hicache.tiers.storage import GetStatus, PutStatus, StorageBackend, build_backend
 from hicache.types import ComponentKind, StorageBackendName
@@ -45,6 +45,11 @@ class _Host:
 
     def object_views(self, member: str, ids: np.ndarray) -> list[np.ndarray]:
         return [self.pool.pages[i] for i in np.asarray(ids).tolist()]
+
+
+def _counts(written: L3Written) -> tuple[int, int]:
+    """(pages L3 holds, pages this write stored) of one `L3Store.write`."""
+    return written.in_l3, written.stored
 
 
 def _hashes(n: int) -> list[bytes]:
@@ -109,7 +114,7 @@ def test_a_full_disk_stops_backups_but_still_serves_what_the_directory_holds(tmp
         pool = Pool(40, payload=PAYLOAD, seed=3)
         l3 = _l3(backend, pool)
         hashes = _hashes(40)
-        assert l3.write("ns", hashes[:8], MEMBERS, np.arange(8))[:2] == (8, 8)
+        assert _counts(l3.write("ns", hashes[:8], MEMBERS, np.arange(8))) == (8, 8)
         _fill_disk(tmpfs)
         for attempt in range(3):  # three backups refused by the full disk
             lo = 8 + 8 * attempt
@@ -179,7 +184,7 @@ def test_an_acl_user_limited_to_the_daemons_keys_is_healthy_and_its_write_breake
         pool = Pool(8, payload=PAYLOAD, seed=4)
         l3 = _l3(backend, pool)
         hashes = _hashes(8)
-        assert l3.write("ns", hashes[:4], MEMBERS, np.arange(4))[:2] == (4, 4)  # allowed
+        assert _counts(l3.write("ns", hashes[:4], MEMBERS, np.arange(4))) == (4, 4)  # allowed
         assert l3.present_run("ns", hashes[:4], MEMBERS) == 4
         # A brief OOM opens the write breaker...
         admin.config_set("maxmemory-policy", "noeviction")
@@ -211,13 +216,13 @@ def test_redis_full_without_eviction_stops_backups_not_reads(
         pool = Pool(16, payload=PAYLOAD, seed=6)
         l3 = _l3(backend, pool)
         hashes = _hashes(16)
-        assert l3.write("ns", hashes[:4], MEMBERS, np.arange(4))[:2] == (4, 4)
+        assert _counts(l3.write("ns", hashes[:4], MEMBERS, np.arange(4))) == (4, 4)
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", str(int(admin.info("memory")["used_memory"]) + (256 << 10)))
         _fill_redis(admin)
         for i in range(3):
-            assert l3.write("ns", hashes[4 + i : 5 + i], MEMBERS,
-                            np.arange(4 + i, 5 + i))[:2] == (0, 0)
+            assert _counts(l3.write("ns", hashes[4 + i : 5 + i], MEMBERS,
+                            np.arange(4 + i, 5 + i))) == (0, 0)
         stats = backend.stats()
         assert stats.put_failed == 3 and stats.unavailable == 0
         assert l3.write_breaker.is_open and not l3.breaker.is_open and not l3.takes_writes
@@ -232,7 +237,7 @@ def test_redis_full_without_eviction_stops_backups_not_reads(
         _free_redis(admin)
         admin.config_set("maxmemory", "0")
         assert l3.probe_writes() and l3.takes_writes
-        assert l3.write("ns", hashes[4:8], MEMBERS, np.arange(4, 8))[:2] == (4, 4)
+        assert _counts(l3.write("ns", hashes[4:8], MEMBERS, np.arange(4, 8))) == (4, 4)
     finally:
         with contextlib.suppress(Exception):
             admin.config_set("maxmemory", "0")
@@ -257,7 +262,7 @@ def test_redis_lru_eviction_loses_pages_as_misses_never_as_wrong_bytes(
         l3 = _l3(backend, pool)
         hashes = _hashes(n)
         for lo in range(0, n, 32):
-            assert l3.write("ns", hashes[lo : lo + 32], MEMBERS, np.arange(lo, lo + 32))[:2] == (32, 32)
+            assert _counts(l3.write("ns", hashes[lo : lo + 32], MEMBERS, np.arange(lo, lo + 32))) == (32, 32)
         assert backend.stats().put_failed == 0 and not l3.write_breaker.is_open
         assert int(admin.info("stats")["evicted_keys"]) > 0
         # The cache says all are there; the store lost the oldest.
