@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -164,15 +165,16 @@ def test_sigterm_with_l3_never_connected_counts_the_pages_it_could_not_write(
 # ------------------------------------------------------------------ a flapping store
 
 
-class Flapping:
-    def __init__(self, log: str, metrics: str, rc: int) -> None:
-        self.log = log
-        self.metrics = metrics
-        self.rc = rc
+class Stopped(NamedTuple):
+    """A daemon's run, over: its whole log, its last metrics scrape, its exit code."""
+
+    log: str
+    metrics: str
+    rc: int
 
 
 @pytest.fixture(scope="module")
-def flapping(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flapping]:
+def flapping(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stopped]:
     """A password Redis L3 under write-through traffic, killed and restarted twice; each
     time the breaker trips while it is down, and backups land again once it is back."""
     redis = PasswordRedis(redis_binary())
@@ -219,11 +221,11 @@ def flapping(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flapping]:
     finally:
         d.close()
         redis.close()
-    yield Flapping(d.log(), metrics, rc)
+    yield Stopped(d.log(), metrics, rc)
 
 
 def test_a_flapping_redis_logs_no_password_one_line_per_trip_and_counts_them(
-    flapping: Flapping,
+    flapping: Stopped,
 ) -> None:
     log = flapping.log
     assert flapping.rc == 0, log
@@ -240,7 +242,7 @@ def test_a_flapping_redis_logs_no_password_one_line_per_trip_and_counts_them(
     assert 1 <= len(failures) <= 4, "\n".join(failures)
 
 
-def test_the_breaker_closing_after_an_outage_is_logged(flapping: Flapping) -> None:
+def test_the_breaker_closing_after_an_outage_is_logged(flapping: Stopped) -> None:
     lines = flapping.log.splitlines()
     last_trip = max(n for n, line in enumerate(lines) if "circuit breaker open after" in line)
     recovered = re.compile(
@@ -251,15 +253,8 @@ def test_the_breaker_closing_after_an_outage_is_logged(flapping: Flapping) -> No
 # ------------------------------------------------------------------ a store refusing writes
 
 
-class Full:
-    def __init__(self, log: str, metrics: str, rc: int) -> None:
-        self.log = log
-        self.metrics = metrics
-        self.rc = rc
-
-
 @pytest.fixture(scope="module")
-def full_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Full]:
+def full_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stopped]:
     """A Redis over its maxmemory (noeviction): every put is refused (OOM), reads work."""
     redis = RedisServer(redis_binary())
     redis.start()
@@ -293,10 +288,10 @@ def full_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Full]:
     finally:
         d.close()
         redis.close()
-    yield Full(d.log(), metrics, rc)
+    yield Stopped(d.log(), metrics, rc)
 
 
-def test_a_store_refusing_every_write_is_throttled_and_counted(full_store: Full) -> None:
+def test_a_store_refusing_every_write_is_throttled_and_counted(full_store: Stopped) -> None:
     log = full_store.log
     assert full_store.rc == 0, log
     assert "Traceback" not in log, log
@@ -308,7 +303,7 @@ def test_a_store_refusing_every_write_is_throttled_and_counted(full_store: Full)
     assert re.search(r"WARNING .*\b\d+ pages L3 lacks were not flushed", log), log
 
 
-def test_a_write_breaker_trip_says_it_is_writes_that_stopped(full_store: Full) -> None:
+def test_a_write_breaker_trip_says_it_is_writes_that_stopped(full_store: Stopped) -> None:
     lines = [line for line in full_store.log.splitlines() if "breaker open after" in line]
     assert lines, full_store.log
     assert all(re.search(r"(?i)\bwrites?\b", line) for line in lines), "\n".join(lines)
