@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hicache.auth import tenant_of_config
 from hicache.config import HicacheConfig
 from hicache.controller.base import (
     NO_PAGES,
@@ -870,7 +871,7 @@ def build_controller(cfg: HicacheConfig, instance: str, *, use_cuda: bool | None
                        # write-back each is; under write-through the last copy of a node
                        # with children, whose copy was never made (`_copy_stranded`).
                        (Tier.DEVICE,),
-                       cfg.eviction.max_open_sessions)
+                       cfg.eviction.max_open_sessions, tenant_of_config(cfg))
     device = build_device_pools(cfg, instance, use_cuda)
     host: HostPools | None = None
     copier: CopyEngine | None = None

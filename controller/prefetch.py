@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hicache.auth import tenant_of_config
 from hicache.controller.base import PrefetchInfo, PrefetchState
 from hicache.controller.transfers import L1Move
 from hicache.controller.workers import Job, Worker
@@ -127,9 +128,14 @@ class Prefetcher:
         self.l1_worker = Worker("prefetch-to-l1", capacity=256, retries=0)
         # Notified (mutex held) whenever a copy to L1 lands or is given up.
         self.l1_landed = threading.Condition(ctl._mu)
-        self._ops: OrderedDict[int, PrefetchOp] = OrderedDict()
-        # Prefetch ids are the only handles not checked against their engine (any engine
-        # of the model may poll one): random, so that one tenant cannot guess another's.
+        self._ops: dict[int, PrefetchOp] = {}
+        # Per tenant (see `tenant_of_config`), the ids of its ops, oldest first: each keeps
+        # at most `keep_finished`, so one tenant's prefetches never push out another's
+        # records (its PrefetchStatus would be lost early).
+        self._tenant_of = tenant_of_config(ctl.cfg) or (lambda _owner: "")
+        self._of_tenant: dict[str, OrderedDict[int, None]] = {}
+        # Prefetch ids are random, so that one tenant cannot guess another's (they are
+        # checked against the engine that started them as well: `_prefetch_op`).
         self._rng = random.SystemRandom()
         self._keep = keep_finished
         self._reserved_pages = 0
@@ -258,7 +264,7 @@ class Prefetcher:
         self._reserved_pages += n
         self.running += 1
         self._ops[op.op_id] = op
-        self._forget_finished()
+        self._forget_finished(self._tenant_of(owner), op.op_id)
         if host is None:
             self.ctl.counters["prefetch_deferred_room"] += 1
         if not self.worker.submit(Job(f"prefetch-{op.op_id}", lambda: self._run(op),
@@ -572,21 +578,25 @@ class Prefetcher:
         if self.tree.is_resident(node, kind, Tier.HOST) and not self.tree.is_resident(node, kind, Tier.STORAGE):
             self.tree.set_resident(node, kind, Tier.STORAGE)
 
-    def _forget_finished(self) -> None:
-        """Caller holds the mutex. Keep at most `keep_finished` ops, dropping finished ones
-        oldest first: one whose worker has not finished stays (its status is asked for, its
-        pages audited), cancelled or timed out or not."""
-        excess = len(self._ops) - self._keep
+    def _forget_finished(self, tenant: str, op_id: int) -> None:
+        """Caller holds the mutex. Record `op_id` as the tenant's newest and keep at most
+        `keep_finished` of the tenant's ops, dropping finished ones oldest first: one whose
+        worker has not finished stays (its status is asked for, its pages audited),
+        cancelled or timed out or not."""
+        ids = self._of_tenant.setdefault(tenant, OrderedDict())
+        ids[op_id] = None
+        excess = len(ids) - self._keep
         if excess <= 0:
             return
         drop = []
-        for op_id, op in self._ops.items():  # running ops (few: the budget bounds them) are skipped
-            if op.finished:  # (not `state`: a cancelled op's worker may still hold pages)
-                drop.append(op_id)
+        for old in ids:  # running ops (few: the budget bounds them) are skipped
+            if self._ops[old].finished:  # (not `state`: a cancelled op's worker may still hold pages)
+                drop.append(old)
                 if len(drop) == excess:
                     break
-        for op_id in drop:
-            del self._ops[op_id]
+        for old in drop:
+            del ids[old]
+            del self._ops[old]
 
     def _finish(self, op: PrefetchOp, outcome: PrefetchState) -> None:
         # Copies to L1 read host pages that the op's pin keeps in place: they land first.

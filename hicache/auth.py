@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextvars
 import hmac
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from hicache.config import TokenConfig
+from hicache.config import HicacheConfig, TokenConfig
 from hicache.errors import PermissionDenied, Unauthenticated
 
 AUTHORIZATION = "authorization"
@@ -52,6 +52,30 @@ class Principal:
 
 
 ANONYMOUS = Principal(label="anonymous", namespaces=frozenset({ALL_NAMESPACES}))
+
+SCOPE = "/"  # a scoped engine or session id: "<token label>/<the id the caller sent>"
+
+
+def scoped(principal: Principal, name: str) -> str:
+    """An engine or session id as the core knows it: with bearer tokens, prefixed by the
+    caller's token label, so that two tenants sending the same id never share it. Without
+    tokens (one trust domain), or an empty id, the id as sent."""
+    if principal is ANONYMOUS or not name:
+        return name
+    return f"{principal.label}{SCOPE}{name}"
+
+
+def tenant_of(scoped_name: str) -> str:
+    """The token label a `scoped` id carries: whose it is, for per-tenant bounds."""
+    return scoped_name.partition(SCOPE)[0]
+
+
+def tenant_of_config(cfg: HicacheConfig) -> Callable[[str], str] | None:
+    """Whose a scoped engine or session id is under `cfg`: with bearer tokens, its token's
+    (`tenant_of`), for bounds that hold per tenant (open sessions, finished prefetches
+    kept); None without tokens (one trust domain, one tenant)."""
+    return tenant_of if cfg.server.tokens else None
+
 
 _current: contextvars.ContextVar[Principal] = contextvars.ContextVar(
     "hicache_principal", default=ANONYMOUS

@@ -89,6 +89,17 @@ def check_tokens(tokens: bytes, limit: int) -> bytes:
     return tokens
 
 
+MAX_NAME_CHARS = 1024  # a namespace, session or request id: kept in the daemon's tables
+
+
+def check_name(field: str, value: str) -> str:
+    """A caller's name (namespace, session_id, request_id), at most MAX_NAME_CHARS: the
+    daemon keeps them (a namespace's root, a session's record) for as long as they last."""
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"{field}: {len(value)} characters; at most {MAX_NAME_CHARS}")
+    return value
+
+
 def tokens_to_bytes(tokens: bytes | bytearray | memoryview | np.ndarray | Iterable[int]) -> bytes:
     """Client side: any sequence of token ids as little-endian uint32 bytes. Bytes-like
     objects are taken as that form already (iterating one would read a token per byte)."""
@@ -239,10 +250,10 @@ def heartbeat_from_pb(r: pb.HeartbeatResponse) -> HeartbeatInfo:
 
 def match_request_from_pb(r: pb.MatchPrefixRequest, limit: int) -> MatchRequest:
     return MatchRequest(
-        namespace=r.namespace,
+        namespace=check_name("namespace", r.namespace),
         tokens=check_tokens(r.tokens, limit),
-        session_id=r.session_id,
-        request_id=r.request_id,
+        session_id=check_name("session_id", r.session_id),
+        request_id=check_name("request_id", r.request_id),
         lock=r.lock,
         prefetch=r.prefetch,
         allocate_tokens=_opt(r, "allocate_tokens"),
@@ -321,7 +332,7 @@ def prefetch_from_pb(r: pb.PrefetchStatusResponse) -> PrefetchInfo:
 
 def allocate_request_from_pb(r: pb.AllocateRequest) -> AllocateRequest:
     return AllocateRequest(
-        namespace=r.namespace,
+        namespace=check_name("namespace", r.namespace),
         num_tokens=r.num_tokens,
         lock_id=_opt(r, "lock_id"),
         allocation_id=_opt(r, "allocation_id"),
@@ -340,12 +351,12 @@ def allocation_from_pb(r: pb.AllocateResponse) -> AllocationInfo:
 
 def insert_request_from_pb(r: pb.InsertRequest, limit: int) -> InsertRequest:
     return InsertRequest(
-        namespace=r.namespace,
+        namespace=check_name("namespace", r.namespace),
         tokens=check_tokens(r.tokens, limit),
         lock_id=_opt(r, "lock_id"),
         allocation_id=_opt(r, "allocation_id"),
-        session_id=r.session_id,
-        request_id=r.request_id,
+        session_id=check_name("session_id", r.session_id),
+        request_id=check_name("request_id", r.request_id),
         mamba_checkpoint=r.mamba_checkpoint,
         keep_lock=r.keep_lock,
     )

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import grpc
 
 from hicache import convert
-from hicache.auth import ANONYMOUS, current_principal
+from hicache.auth import current_principal, scoped
 from hicache.config import MAX_MESSAGE_BYTES, MESSAGE_SLACK_BYTES, header_value
 from hicache.controller.base import MAX_ENGINE_ID, CacheService, InsertRequest, MatchRequest
 from hicache.errors import (
@@ -131,20 +131,14 @@ def scoped_engine(engine_id: str) -> str:
     engine sent, so that a caller with another token naming the same engine reaches a
     different (unattached) one and never another tenant's locks or allocations. Without
     tokens (one trust domain) the id as sent."""
-    principal = current_principal()
-    if principal is ANONYMOUS or not engine_id:
-        return engine_id
-    return f"{principal.label}/{engine_id}"
+    return scoped(current_principal(), engine_id)
 
 
 def scoped_session(session_id: str) -> str:
     """A session id as the core knows it: with bearer tokens, prefixed by the token's label
     (like `scoped_engine`), so that two tenants using the same id never share a session
     and one cannot close another's."""
-    principal = current_principal()
-    if principal is ANONYMOUS or not session_id:
-        return session_id
-    return f"{principal.label}/{session_id}"
+    return scoped(current_principal(), session_id)
 
 
 _R = TypeVar("_R", MatchRequest, InsertRequest)
@@ -239,6 +233,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         )
 
     def _stats(self, _engine: str, _r: pb.StatsRequest) -> pb.StatsResponse:
+        # Daemon-wide figures: a tenant limited to some namespaces would watch the others'
+        # lookups, hits, locks and allocations move. An operator's view, like Flush.
+        if not current_principal().unrestricted:
+            raise PermissionDenied(
+                "Stats needs a token that allows every namespace ('*'): its figures are "
+                "every tenant's"
+            )
         return convert.stats_to_pb(self._core.stats())
 
     # ------------------------------------------------------------------ RPCs

@@ -113,10 +113,13 @@ class HiRadixTree:
         geometry: str = "",
         backed_up_tiers: Collection[Tier] = (),
         max_open_sessions: int = 1 << 16,
+        tenant_of: Callable[[str], str] | None = None,
     ) -> None:
         """`backed_up_tiers`: tiers whose evictions first copy each slot to the other paged
         tier (write-back L1 -> L2): the last copy of a node with children is a candidate
-        there (`evict` keeps it when its `before_drop` made no copy)."""
+        there (`evict` keeps it when its `before_drop` made no copy). `tenant_of`: whose a
+        session id is; the open-session cap and the closed records hold per tenant (None:
+        one tenant)."""
         if page_size <= 0:
             raise ValueError("page_size must be > 0")
         self.page_size = page_size
@@ -165,7 +168,7 @@ class HiRadixTree:
         self._resident = [[0] * self._ncomp for _ in Tier]
         self._locked = [[0] * self._ncomp for _ in Tier]
         self._locks: set[TreeLock] = set()
-        self._sessions = SessionTable(closed_session_tombstones, max_open_sessions)
+        self._sessions = SessionTable(closed_session_tombstones, max_open_sessions, tenant_of)
         self.sessions_closed_for_room = 0  # least recently used sessions closed past the cap
         self._queues = [
             [self._make_queue(tier, comp) for comp in self.components] for tier in range(PAGED_TIERS)
@@ -699,6 +702,10 @@ class HiRadixTree:
                 self._move_lock(lock, node, tokens)
             else:
                 self.unlock(lock)
+        if node.parent is None and not node.children and self._roots.get(namespace) is node:
+            # Nothing committed into a namespace that holds nothing: no root is kept for
+            # it (a root each for an empty Insert's namespace would grow without bound).
+            del self._roots[namespace]
         sid = session_id if session_id is not None else (lock.session_id if lock else None)
         if sid and not keep_lock:
             gen = (lock.session_gen if lock is not None and lock.session_id == sid
@@ -1321,9 +1328,8 @@ class HiRadixTree:
     def _open_session(self, session_id: str, since: int | None = None) -> int:
         """`SessionTable.open`, closing the least recently used sessions past the cap."""
         gen = self._sessions.open(session_id, since)
-        while len(self._sessions) > self._sessions.max_open:
-            oldest = self._sessions.least_recent()
-            if oldest is None or oldest == session_id:
+        while (oldest := self._sessions.over_cap(session_id)) is not None:
+            if oldest == session_id:
                 break
             self.close_session(oldest)
             self.sessions_closed_for_room += 1

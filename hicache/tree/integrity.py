@@ -63,6 +63,7 @@ def check_tree(tree: HiRadixTree) -> None:
     for namespace, root in t._roots.items():
         assert root.parent is None and root.depth == 0 and not any(root.mask)
         assert root.root.namespace == namespace
+        assert root.children, f"{namespace!r}: a root with nothing under it is kept"
         for node in _nodes(root):
             parent = node.parent
             assert parent is not None

@@ -218,7 +218,7 @@ def test_a_session_closed_for_room_mid_request_stays_closed_and_the_tree_whole(m
                                    mamba_checkpoint=True))
     with ctl._mu:
         assert len(ctl.tree._sessions) <= 2
-        assert "s1" not in ctl.tree._sessions._open
+        assert "s1" not in ctl.tree._sessions._open.get("", {})
         ctl.tree.check_integrity()
 
 

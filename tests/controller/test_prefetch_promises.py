@@ -263,3 +263,34 @@ def test_tokens_ready_never_decreases_and_a_cancel_leaks_no_page(
     finally:
         ctl.release("e1", again.lock_id, None)
     assert ctl.stats().counters["prefetches_running"] == 0
+
+
+def test_finished_prefetches_are_kept_per_tenant(make) -> None:
+    """With `server.tokens`, each tenant keeps its own `keep_finished` records: one
+    tenant's prefetches never push another's out (its `PrefetchStatus` would be
+    NOT_FOUND early); a tenant's own oldest finished records go first."""
+    from hicache.auth import tenant_of
+    from hicache.errors import NotFound
+
+    ctl = make(server__tokens=[{"token": "a" * 16, "namespaces": ["*"]},
+                               {"token": "b" * 16, "namespaces": ["*"]}])
+    prefetcher = ctl.prefetcher
+    prefetcher._keep = 2
+
+    def finished(owner: str) -> int:
+        op = pf.PrefetchOp(op_id=prefetcher._new_id(), namespace="", tokens=b"", start_page=0,
+                           hashes=[], host={}, deadline=None, owner=owner)
+        op.state, op.finished = PrefetchState.DONE, True
+        with ctl._mu:
+            prefetcher._ops[op.op_id] = op
+            prefetcher._forget_finished(tenant_of(owner), op.op_id)
+        return op.op_id
+
+    theirs = finished("token#1/e")
+    mine = [finished("token#0/e") for _ in range(5)]
+    assert ctl.prefetch_status(theirs, "token#1/e").state is PrefetchState.DONE
+    for gone in mine[:3]:
+        with pytest.raises(NotFound):
+            ctl.prefetch_status(gone, "token#0/e")
+    assert all(ctl.prefetch_status(kept, "token#0/e").state is PrefetchState.DONE
+               for kept in mine[3:])

@@ -367,7 +367,7 @@ def test_rpc_histogram_counts_each_call_once_under_its_final_code(make_daemon: M
     )
     with d.client(token=TOKEN, engine_id="engine-zebra-5") as c:
         c.attach(map_pools=False)
-        c.stats()  # (the connection is up: no health check before the calls below)
+        assert c.serving()  # (the connection is up: no health check before the calls below)
         before = metrics(port)
         with pytest.raises(InvalidArgument):
             c.match(b"\x01\x02\x03", NS)  # 3 bytes of tokens

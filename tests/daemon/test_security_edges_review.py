@@ -179,7 +179,7 @@ def test_authorization_header_forms(world: World) -> None:
     and no refusal quotes what was sent."""
     with world.channel() as channel:
         stats = pb_grpc.HiCacheStub(channel).Stats
-        accepted = [f"bearer {TENANT_A}", f"BEARER {TENANT_A}", f"Bearer   {TENANT_A}   "]
+        accepted = [f"bearer {OPERATOR}", f"BEARER {OPERATOR}", f"Bearer   {OPERATOR}   "]
         for value in accepted:
             stats(pb.StatsRequest(), metadata=(("authorization", value),), timeout=10)
         refused = [
@@ -279,7 +279,7 @@ def test_another_tenants_prefetch_and_lock_are_out_of_reach_and_unrevealed(world
         # 48 pages through L1 (16) and L2 (32): `prompt` is left in L3 only.
         for i in range(12):
             insert(a, tokens(4 * PAGE, start=600_000 + 10_000 * i), "a")
-        wait_for(lambda: a.stats().counters["backups_storage"] >= 52, 20, "backups to L3")
+        wait_for(lambda: op.stats().counters["backups_storage"] >= 52, 20, "backups to L3")
         m = a.match(prompt, "a", lock=True, prefetch=True, allocate_tokens=4 * PAGE)
         assert m.storage_tokens == 4 * PAGE and m.prefetch_id and m.lock_id, m
         assert m.allocation_id, m
@@ -353,7 +353,12 @@ def test_health_and_stats_through_a_wildcard_tls_config_with_a_token_file(world:
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     assert report["serving"] is True and "note" not in report, report
+    # Stats is every tenant's: a tenant's token is refused, an operator's ('*') served.
     out = run_cli("stats", "--config", str(cfg), "--token-file", str(good), "--json")
+    assert out.returncode == 1 and "needs a token that allows every namespace" in out.stdout, out
+    operator = world.workdir / "operator.tok"
+    operator.write_text(f"{OPERATOR}\n")
+    out = run_cli("stats", "--config", str(cfg), "--token-file", str(operator), "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["pools"], out.stdout
     out = run_cli("stats", "--config", str(cfg), "--token-file", str(wrong))
@@ -427,7 +432,7 @@ def test_listen_addresses_follow_the_loopback_rule(tmp_path: Path) -> None:
     ).start()
     try:
         with served.client(token=TENANT_A, retries=0) as c:
-            assert c.serving() and c.stats().pools
+            assert c.serving() and c.attach(map_pools=False).info
         with served.client(retries=0) as anonymous, pytest.raises(Unauthenticated):
             anonymous.stats()
     finally:

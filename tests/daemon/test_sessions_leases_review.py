@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from hicache.client import close_session_op
-from hicache.errors import NotFound
+from hicache.errors import InvalidArgument, NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
@@ -441,7 +441,7 @@ def test_a_late_insert_of_an_allocation_made_before_the_close_does_not_reopen_it
         assert c.close_session("late-2") == 2  # the close stands: the same answer
 
 
-@pytest.mark.parametrize("session_id", ["a/b", "üñî cødé ☃", "nul\x00inside", " ", "x" * 20_000])
+@pytest.mark.parametrize("session_id", ["a/b", "üñî cødé ☃", "nul\x00inside", " ", "x" * 1024])
 def test_odd_session_ids_open_close_and_answer_again(sessions: Daemon, session_id: str) -> None:
     with sessions.client(engine_id="odd-ids") as c:
         c.attach(map_pools=False)
@@ -449,6 +449,16 @@ def test_odd_session_ids_open_close_and_answer_again(sessions: Daemon, session_i
         assert c.close_session(session_id) == 3
         assert c.close_session(session_id) == 3
         assert c.batch([close_session_op(session_id)]) == [3]
+
+
+def test_a_session_id_past_1024_characters_is_refused_naming_the_field(sessions: Daemon) -> None:
+    """The daemon keeps session ids (open, and a record of recently closed ones): an id
+    of any length would let one caller pin any amount of memory."""
+    with sessions.client(engine_id="too-long-id") as c:
+        c.attach(map_pools=False)
+        with pytest.raises(InvalidArgument, match="session_id: 20000 characters; at most 1024"):
+            life(c, tokens(3 * PAGE, start=22_000), "x" * 20_000)
+        assert not any(p.locked_pages for p in c.stats().pools)  # nothing held
 
 
 def test_an_unknown_long_session_id_is_not_found_with_a_bounded_message(sessions: Daemon) -> None:
