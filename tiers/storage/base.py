@@ -372,14 +372,19 @@ class StorageBackend(abc.ABC):
         the daemon's pages is not taking its writes, whatever a small object shows.
         """
         t0 = time.perf_counter()
+        probed = ""
         try:
             detail, capacity, used = self._probe()
+            probed = detail
             if deep:
                 self._canary_round_trip(max(CANARY_PAYLOAD, canary_bytes - HEADER_BYTES))
                 detail += "; canary write/read/verify/delete ok"
             healthy = True
         except (BackendUnavailable, ObjectCorrupt) as e:
+            # A canary's failure says what the probe saw too (a store not writable, full).
             healthy, detail, capacity, used = False, str(e), None, None
+            if probed:
+                detail += f" ({probed})"
         latency_ms = (time.perf_counter() - t0) * 1e3
         return BackendHealth(self.name, healthy, latency_ms, detail, capacity, used)
 

@@ -13,10 +13,15 @@ another node removed is simply a miss here.
 Threads (`storage.file.threads`): one call's checks, reads and writes spread over threads
 by filesystem (`fanout.py`): few on a local one, many on a shared one.
 
-Every OSError other than "no such file" (EACCES, EROFS, EIO, ...) raises
-`BackendUnavailable`, as does a call that exceeds `storage.timeout_s` (a hung NFS mount);
-a full disk or quota (ENOSPC, EDQUOT) fails the write's keys instead (`PutStatus.FAILED`),
-as a full Redis or Mooncake does: reads go on.
+Every OSError other than "no such file" (EIO, ...) raises `BackendUnavailable`, as does a
+call that exceeds `storage.timeout_s` (a hung NFS mount); a full disk or quota (ENOSPC,
+EDQUOT) and a store that refuses writes (a read-only filesystem, a root without write
+permission) fail the write's keys instead (`PutStatus.FAILED`), as a full Redis or
+Mooncake does: reads go on. A folder of the store refusing writes while the root takes
+them fails that folder's keys only.
+
+The index is built at start by a walk of the directory (which also removes dead writers'
+temp files): a large store is walked in the background, and the daemon serves meanwhile.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
 from hicache.errors import BackendUnavailable, ObjectCorrupt
+from hicache.keys import CANARY_PREFIX
 from hicache.logthrottle import ThrottledLog
 from hicache.tiers.storage.base import (
     HEADER_BYTES,
@@ -126,6 +132,9 @@ class FileBackend(StorageBackend):
         self._evicting: set[str] = set()
         self._lock = threading.Lock()
         self._host = _host_tag()
+        self._indexer: threading.Thread | None = None
+        self._index_error: BaseException | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,46 +156,97 @@ class FileBackend(StorageBackend):
                 self.root,
                 fstype,
             )
-        self._caller.call_within(max(self.timeout_s, 60.0), self._rebuild_index)
-        log.info(
-            "L3 file backend: %d objects, %d bytes, capacity %s, fsync %s, threads %s",
-            len(self._lru),
-            self._used,
-            self.capacity_bytes,
-            self.fsync,
-            self.threads,
-        )
+        # The walk takes ~50 us an object (a stat each; far more on a shared mount): a
+        # store of millions would hold the daemon's start for minutes. Waited for a
+        # moment with a capacity (its evictions need the index), not at all without
+        # (the index then only counts `used_bytes`); the rest goes on in the background.
+        self._indexer = threading.Thread(target=self._index_in_background,
+                                         name="hicache-file-index", daemon=True)
+        self._indexer.start()
+        self._indexer.join(INDEX_WAIT_S if self.capacity_bytes is not None else 0.0)
+        if self._indexer.is_alive():
+            log.info("L3 file backend at %s: indexing the store in the background "
+                     "(serving meanwhile)", self.root)
+        elif self._index_error is not None:
+            raise self._index_error
+        log.info("L3 file backend: capacity %s, fsync %s, threads %s",
+                 self.capacity_bytes, self.fsync, self.threads)
 
     def close(self, wait_s: float = 0.0) -> bool:
+        self._closing = True  # (a walk under way stops at its next folder)
         return self._caller.close(wait_s)
+
+    def wait_indexed(self, timeout_s: float) -> bool:
+        """Whether the start's walk of the store (index, stale temp files) is done,
+        waiting up to `timeout_s` for it."""
+        indexer = self._indexer
+        if indexer is None:
+            return False
+        indexer.join(timeout_s)
+        return not indexer.is_alive()
+
+    def _index_in_background(self) -> None:
+        try:
+            self._rebuild_index()
+        except BaseException as e:  # (raised by `start` when it is still waiting)
+            self._index_error = e
+            log.warning("L3 file backend: indexing %s failed (%s); objects it did not reach "
+                        "are not counted against the capacity", self.root, e)
+            return
+        with self._lock:
+            objects, used = len(self._lru), self._used
+        log.info("L3 file backend at %s: %d objects, %d bytes", self.root, objects, used)
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, str, int]] = []
+        folders: set[str] = set()
         now = time.time()
         for folder, _, names in os.walk(self.root):
+            if self._closing:
+                return
             for name in names:
                 path = os.path.join(folder, name)
                 try:
                     st = os.stat(path)
                     if name.endswith(TEMP_SUFFIX):
                         if now - st.st_mtime > STALE_TEMP_S or self._dead_writers_temp(name, st.st_mtime):
-                            os.unlink(path)  # left by a writer that died
+                            self._remove_temp(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
                         h = name[: -len(SUFFIX)]
                         # Only objects this code names, where it puts them: another file
                         # would be counted against the capacity and never found to evict.
                         if _DIGEST.fullmatch(h) and path == self._path(h) and stat.S_ISREG(st.st_mode):
                             found.append((st.st_mtime, h, st.st_size))
+                            folders.add(h[:2])
                 except OSError as e:
                     if e.errno not in _SKIPPED_AT_START_ERRNOS:
                         raise _unavailable(path, e) from None
                     continue  # gone meanwhile, a link loop, ...: not an object of ours
         found.sort()
         with self._lock:
-            self._lru = OrderedDict((h, size) for _, h, size in found)
-            self._used = sum(size for _, _, size in found)
+            # Objects used since the start (the walk ran in the background) stay the most
+            # recent, in their order; those only the walk found go before them, oldest
+            # first. NOTE: one removed while the walk ran may come back in the index: its
+            # eviction later finds no file, which costs nothing.
+            index = OrderedDict((h, size) for _, h, size in found
+                                if h not in self._lru and h not in self._evicting)
+            index.update(self._lru)
+            self._lru = index
+            self._used = sum(index.values())
+            self._folders |= folders
             victims = self._evict_locked(0)
         self._unlink(victims)
+
+    def _remove_temp(self, path: str) -> None:
+        """Remove a dead writer's temp file; a store that refuses (read-only, no write
+        permission) keeps it: cleaning up is no reason to give up serving it."""
+        try:
+            os.unlink(path)
+        except OSError as e:
+            if e.errno not in _WRITE_REFUSED_ERRNOS:
+                raise
+            _bad_path.warning(self.root, "file: cannot remove the stale temp file %s (%s)",
+                              path, e.strerror)
 
     def _dead_writers_temp(self, name: str, mtime: float) -> bool:
         """Whether temp file `name` (written at `mtime`) is this host's and its writer
@@ -205,7 +265,8 @@ class FileBackend(StorageBackend):
     def _path(self, h: str) -> str:
         return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
-    def _touch(self, h: str, size: int, reserved: int = 0, *, wrote: bool = False) -> list[str]:
+    def _touch(self, h: str, size: int, reserved: int = 0, *,
+               wrote: bool = False) -> list[tuple[str, int]]:
         """Record a use of object `h` (`wrote`: a write's; the `reserved` bytes it made room
         for become its own); returns digests to evict to stay within capacity. A read of an
         object whose eviction is under way records nothing."""
@@ -220,7 +281,7 @@ class FileBackend(StorageBackend):
             self._lru[h] = size
             return self._evict_locked(0)
 
-    def _reserve(self, size: int) -> list[str]:
+    def _reserve(self, size: int) -> list[tuple[str, int]]:
         """Make room for a write of `size` bytes and hold it until the write is recorded
         (`_touch(..., reserved=size)`) or given up (`_unreserve`): writers in parallel
         each count the others' objects still being written. Returns digests to evict."""
@@ -233,14 +294,14 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._reserved -= size
 
-    def _evict_locked(self, incoming: int) -> list[str]:
+    def _evict_locked(self, incoming: int) -> list[tuple[str, int]]:
         if self.capacity_bytes is None:
             return []
-        victims: list[str] = []
+        victims: list[tuple[str, int]] = []
         while self._lru and self._used + self._reserved + incoming > self.capacity_bytes:
             h, size = self._lru.popitem(last=False)
             self._used -= size
-            victims.append(h)
+            victims.append((h, size))
             self._evicting.add(h)
         return victims
 
@@ -249,25 +310,34 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._used -= self._lru.pop(h, 0)
 
-    def _unlink(self, digests: Sequence[str]) -> None:
-        """Remove the objects an eviction chose (counted `evicted`)."""
-        if not digests:
+    def _unlink(self, victims: Sequence[tuple[str, int]]) -> None:
+        """Remove the objects an eviction chose (counted `evicted`). One whose file cannot
+        be removed (its folder refuses, an I/O error) stays in the index, as the most
+        recently used (the next evictions try others first): its file still takes room."""
+        if not victims:
             return
         removed = 0
-        try:
-            for h in digests:
-                try:
-                    os.unlink(self._path(h))
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    raise _unavailable(self.root, e) from None
-                removed += 1
-        finally:
-            with self._lock:
-                self._evicting.difference_update(digests)
-            with self._counter_lock:
-                self._counters.evicted += removed
+        kept: list[tuple[str, int]] = []
+        for h, size in victims:
+            path = self._path(h)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                kept.append((h, size))
+                _bad_path.warning(path, "file: cannot evict %s (%s): it stays, counted "
+                                  "against the capacity", path, e.strerror)
+                continue
+            removed += 1
+        with self._lock:
+            self._evicting.difference_update(h for h, _ in victims)
+            for h, size in kept:
+                if h not in self._lru:  # (not written again meanwhile)
+                    self._lru[h] = size
+                    self._used += size
+        with self._counter_lock:
+            self._counters.evicted += removed
 
     # ------------------------------------------------------------------ backend hooks
 
@@ -406,12 +476,21 @@ class FileBackend(StorageBackend):
                     _bad_path.warning(path, "file: cannot store %s there (%s)", path, e.strerror)
                     out.append(PutStatus.FAILED)
                     continue
-                if isinstance(e, OSError) and e.errno in _FULL_ERRNOS:
-                    # A full disk (or quota) refuses writes, not reads: this key and the
+                if (isinstance(e, OSError) and e.errno in _WRITE_REFUSED_ERRNOS
+                        and e.errno != errno.EROFS and os.access(self.root, os.W_OK)):
+                    # This key's folder refuses writes (its permissions, an immutable
+                    # flag) while the store takes them: its keys fail, the others go on.
+                    _bad_path.warning(path, "file: cannot store %s there (%s)", path, e.strerror)
+                    out.append(PutStatus.FAILED)
+                    continue
+                if isinstance(e, OSError) and e.errno in _FULL_ERRNOS | _WRITE_REFUSED_ERRNOS:
+                    # A full disk (or quota), or a store that refuses writes (read-only,
+                    # no write permission), refuses writes, not reads: this key and the
                     # batch's rest fail as a full Redis or Mooncake refuses keys, and only
                     # the write breaker opens; what the directory holds is still served.
-                    _bad_path.warning(self.root, "file: %s is full (%s): backups fail until "
-                                      "there is room", self.root, e.strerror)
+                    why = "full" if e.errno in _FULL_ERRNOS else "not writable"
+                    _bad_path.warning(self.root, "file: %s is %s (%s): backups fail until "
+                                      "it takes writes again", self.root, why, e.strerror)
                     out.extend([PutStatus.FAILED] * (len(keys) - len(out)))
                     return out
                 if isinstance(e, OSError):
@@ -427,8 +506,12 @@ class FileBackend(StorageBackend):
             fd = os.open(tmp, flags, 0o644)
         except FileNotFoundError:
             # The fan-out folder does not exist yet: made on first use, so a put into an
-            # existing folder costs no extra system call.
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            # existing folder costs no extra system call. Recorded for the probe, which
+            # notices folders that go (`_forget_removed_folders`).
+            folder = os.path.dirname(tmp)
+            os.makedirs(folder, exist_ok=True)
+            with self._lock:
+                self._folders.add(os.path.basename(os.path.dirname(folder)))
             fd = os.open(tmp, flags, 0o644)
         try:
             written = 0
@@ -463,6 +546,10 @@ class FileBackend(StorageBackend):
                     # Not an object of ours there (a directory, a file where its folder
                     # belongs): nothing to remove; the other keys still go.
                 self._used -= self._lru.pop(os.path.basename(path)[: -len(SUFFIX)], 0)
+            if key.startswith(CANARY_PREFIX):
+                # A health check's canary has a fresh key each time: its fan-out folders,
+                # made for it, go with it (a probe every 10 s would leave thousands).
+                _remove_empty_folders(path, self.root)
         return removed
 
     def _probe(self) -> tuple[str, int | None, int | None]:
@@ -484,11 +571,14 @@ class FileBackend(StorageBackend):
             st = os.statvfs(self.root)
             if not os.path.isdir(self.root):
                 raise BackendUnavailable(f"file: {self.root} is not a directory")
-            if not os.access(self.root, os.W_OK):
-                raise BackendUnavailable(f"file: {self.root} is not writable")
             free = st.f_bavail * st.f_frsize
             capacity = self.capacity_bytes or st.f_blocks * st.f_frsize
-            return f"{self.root} ({fs_type_of(self.root)}, {free} bytes free)", capacity, self._used
+            # A store that takes no writes still serves what it holds: reads go on (the
+            # deep check's canary finds the writes refused: the write breaker's part).
+            writes = "" if os.access(self.root, os.W_OK) else "; not writable: backups fail"
+            indexing = "; indexing the store" if not self.wait_indexed(0) else ""
+            detail = f"{self.root} ({fs_type_of(self.root)}, {free} bytes free{writes}{indexing})"
+            return detail, capacity, self._used
 
         try:
             return self._caller.call(probe)
@@ -500,10 +590,14 @@ class FileBackend(StorageBackend):
         removed under the daemon, the root kept) leave the index: its size and the
         capacity it holds say what the store holds. (One listing of the root a probe.)"""
         present = {name for name in os.listdir(self.root) if len(name) == 2}
-        gone, self._folders = self._folders - present, present
+        with self._lock:  # (writers add the folders they make)
+            gone, self._folders = self._folders - present, self._folders | present
+        # One a writer made after the listing is not gone.
+        gone = {name for name in gone if not os.path.isdir(os.path.join(self.root, name))}
         if not gone:
             return
         with self._lock:
+            self._folders -= gone
             dropped = [h for h in self._lru if h[:2] in gone]
             for h in dropped:
                 self._used -= self._lru.pop(h)
@@ -531,6 +625,25 @@ _ABSENT_ERRNOS = frozenset({errno.ESTALE, errno.ENOTDIR})
 _BAD_PATH_ERRNOS = frozenset({errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENOENT, errno.EEXIST})
 # A write refused for room: the store is full, not down.
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# A write refused by the filesystem (read-only) or by permissions: of the whole store when
+# the root refuses, else of the folder that does.
+_WRITE_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# How long `start` waits for the index of a store with a capacity (then: the background).
+INDEX_WAIT_S = 5.0
+
+
+def _remove_empty_folders(path: str, root: str) -> None:
+    """Remove the object's two fan-out folders if they are empty (best effort: another
+    writer may be filling them)."""
+    folder = os.path.dirname(path)
+    for _ in range(2):
+        if folder == root:
+            return
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+        folder = os.path.dirname(folder)
 
 
 def _read_object(fd: int, view: memoryview, extra: bytearray) -> int:

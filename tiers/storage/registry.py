@@ -3,6 +3,7 @@ Mooncake wheel (and redis-py) are loaded only where configured."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from hicache.config import StorageConfig
@@ -62,5 +63,12 @@ def build_backend(cfg: StorageConfig, *, start: bool = True) -> StorageBackend:
             ) from None
     backend = FACTORIES[name](cfg)
     if start:
-        backend.start()
+        try:
+            backend.start()
+        except BaseException:
+            # Its threads (a walk of the store, a connection pool) go with it: a daemon
+            # retrying a store that is down must not gather one set each attempt.
+            with contextlib.suppress(Exception):
+                backend.close()
+            raise
     return backend
