@@ -385,6 +385,8 @@ class StorageBackend(abc.ABC):
             healthy, detail, capacity, used = False, str(e), None, None
             if probed:
                 detail += f" ({probed})"
+        except Exception as e:  # (a backend's unexpected error: reported, never raised)
+            healthy, detail, capacity, used = False, f"{type(e).__name__}: {e}", None, None
         latency_ms = (time.perf_counter() - t0) * 1e3
         return BackendHealth(self.name, healthy, latency_ms, detail, capacity, used)
 

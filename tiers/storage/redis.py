@@ -33,7 +33,26 @@ log = logging.getLogger(__name__)
 
 # Any error of the client (connection, timeout, loading, READONLY, NOPERM, ...) for a
 # whole call: the store is unavailable to us, a typed error the controller handles.
-_DOWN = (redis.RedisError, OSError)
+# A reply of the wrong shape (a server that is no Redis, or a broken one) is too: redis-py
+# hands it on as it came, and parsing it raises these.
+_DOWN = (redis.RedisError, OSError, ValueError, TypeError, AttributeError)
+# Refusals of a write command by a server that still serves reads (no replica to write
+# to, a failed save, a replica, an ACL, no memory): GETEX, which renews a TTL, is one.
+_WRITE_REFUSED = (redis.exceptions.ReadOnlyError, redis.exceptions.NoPermissionError,
+                  redis.exceptions.OutOfMemoryError)
+_WRITE_REFUSED_CODES = ("NOREPLICAS", "MISCONF", "READONLY", "NOPERM", "OOM")
+
+
+def _write_refused(value: object) -> bool:
+    return isinstance(value, _WRITE_REFUSED) or (
+        isinstance(value, redis.ResponseError) and str(value).startswith(_WRITE_REFUSED_CODES))
+
+
+def _count(reply: object) -> int:
+    """An integer reply (EXISTS, DEL); anything else is a server we cannot trust."""
+    if not isinstance(reply, int):
+        raise BackendUnavailable(f"redis: malformed reply (an integer expected): {reply!r:.80}")
+    return reply
 
 
 # Never stored: asking for it tells if GETEX exists (under the page keys' prefix, which an
@@ -56,6 +75,7 @@ class RedisBackend(StorageBackend):
         self._pool: redis.BlockingConnectionPool | None = None
         self._client: redis.Redis | None = None
         self._getex: bool | None = None  # whether the server has GETEX (asked at first need)
+        self._run_id: str | None = None  # the server run the last probe reached
 
     def start(self) -> None:
         try:
@@ -133,15 +153,15 @@ class RedisBackend(StorageBackend):
         backend talks to one standalone server (`storage.redis.url`)."""
         client = self.client
         n = len(keys)
-        count = int(client.exists(*keys))
+        count = _count(client.exists(*keys))
         if count == 0 or count >= n:
             return min(count, n)
-        if int(client.exists(*keys[:count])) == count:
+        if _count(client.exists(*keys[:count])) == count:
             return count  # the first `count` are there, and no other key is
         present, absent = 0, count  # the first `present` keys are there; `absent` is not all
         while absent - present > 1:
             mid = (present + absent) // 2
-            if int(client.exists(*keys[:mid])) == mid:
+            if _count(client.exists(*keys[:mid])) == mid:
                 present = mid
             else:
                 absent = mid
@@ -171,6 +191,16 @@ class RedisBackend(StorageBackend):
                 # Per-key errors come back as values: one key of another type (someone
                 # else's RPUSH) must not fail the batch, or the breaker, every time.
                 values = pipe.execute(raise_on_error=False)[: len(batch)]
+                if getex and any(_write_refused(v) for v in values):
+                    # The server refuses write commands but serves reads: read with GET
+                    # (the TTLs are not renewed while it refuses).
+                    self._warn.warning("getex-refused", "redis refuses GETEX (a write "
+                                       "command): reading with GET, TTLs not renewed (%s)",
+                                       next(v for v in values if _write_refused(v)))
+                    pipe = self.client.pipeline(transaction=False)
+                    for key in batch:
+                        pipe.get(key)
+                    values = pipe.execute(raise_on_error=False)
                 for buf, value in zip(buffers[lo : lo + self.cfg.batch], values, strict=True):
                     if value is None:
                         out.append(MISSING)
@@ -231,7 +261,7 @@ class RedisBackend(StorageBackend):
         removed = 0
         try:
             for lo in self._batches(len(keys)):
-                removed += int(self.client.delete(*keys[lo : lo + self.cfg.batch]))
+                removed += _count(self.client.delete(*keys[lo : lo + self.cfg.batch]))
         except _DOWN as e:
             raise _unavailable(e) from None
         return removed
@@ -240,19 +270,45 @@ class RedisBackend(StorageBackend):
         return self._caller.call(self._probe_sync)
 
     def _probe_sync(self) -> tuple[str, int | None, int | None]:
+        url = redact_url(self.cfg.url)
         try:
-            self.client.ping()
+            if self.client.ping() is not True:
+                raise BackendUnavailable(f"redis: {url} did not answer PING with PONG")
         except _DOWN as e:
             raise _unavailable(e) from None
         try:
+            server = self.client.info("server")
             info = self.client.info("memory")
         except redis.ResponseError as e:  # e.g. an ACL user without INFO: sizes unknown
-            return f"redis {redact_url(self.cfg.url)} PING ok (no INFO: {e})", None, None
+            return f"redis {url} PING ok (no INFO: {e})", None, None
         except _DOWN as e:
             raise _unavailable(e) from None
-        maxmemory = int(info.get("maxmemory", 0)) or None
-        used = int(info.get("used_memory", 0))
-        return f"redis {redact_url(self.cfg.url)} PING ok", maxmemory, used
+        # Another server than the last probe's (restarted, replaced): what this daemon
+        # knew present there is not (the controller forgets it on `resets`).
+        run_id = server.get("run_id") if isinstance(server, dict) else None
+        if run_id is not None:
+            if self._run_id is not None and run_id != self._run_id:
+                self.resets += 1
+                log.warning("redis: %s is another server run than before (restarted or "
+                            "replaced): what it held is taken as gone", url)
+            self._run_id = run_id
+        try:
+            return f"redis {url} PING ok", _size(info, "maxmemory") or None, _size(info, "used_memory")
+        except BackendUnavailable as e:
+            raise BackendUnavailable(f"{e} from {url}") from None
+
+
+def _size(info: object, field: str) -> int | None:
+    """A byte count of an INFO reply (None: not in it); one that is no count is a server
+    we cannot trust."""
+    if not isinstance(info, dict):
+        raise BackendUnavailable(f"redis: malformed INFO reply: {info!r:.80}")
+    value = info.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BackendUnavailable(f"redis: malformed INFO reply ({field}: {value!r:.40})")
+    return value
 
 
 def _unavailable(e: Exception) -> BackendUnavailable:
