@@ -120,6 +120,12 @@ class PrefetchOp:
                 self.reported = self._ready_tokens()
 
 
+def _timed_out(op: PrefetchOp) -> bool:
+    with op.mu:
+        op.expire_locked()
+        return op.state is PrefetchState.TIMED_OUT
+
+
 class Prefetcher:
     def __init__(self, ctl: HybridCacheController, keep_finished: int = 4096) -> None:
         self.ctl = ctl
@@ -134,6 +140,7 @@ class Prefetcher:
         # records (its PrefetchStatus would be lost early).
         self._tenant_of = tenant_of_config(ctl.cfg) or (lambda _owner: "")
         self._of_tenant: dict[str, OrderedDict[int, None]] = {}
+        self._to_l1: set[PrefetchOp] = set()  # ops with copies to L1 in flight (mutex)
         # Prefetch ids are random, so that one tenant cannot guess another's (they are
         # checked against the engine that started them as well: `_prefetch_op`).
         self._rng = random.SystemRandom()
@@ -168,8 +175,14 @@ class Prefetcher:
 
     def reserved_l1(self, kind: ComponentKind) -> list[np.ndarray]:
         """L1 pages of copies to L1 in flight (caller holds the mutex)."""
-        return [dev for op in self._ops.values() for moves in op.l1_moves
+        return [dev for op in self._to_l1 for moves in op.l1_moves
                 for _, k, _, dev in moves if k is kind]
+
+    def copying_to_l1(self) -> set[tuple[int, ComponentKind]]:
+        """(id(node), kind) of every slot a copy to L1 is bringing (caller holds the
+        mutex): a Load of the same path waits for it rather than copy it again."""
+        return {(id(node), kind) for op in self._to_l1 for moves in op.l1_moves
+                for node, kind, _, _ in moves}
 
     def l3_run(self, namespace: str, hashes: bytes, limit: int | None = None,
                window_inside: bool = False) -> int:
@@ -328,6 +341,13 @@ class Prefetcher:
             if op.finished:  # cancelled while queued (`cancel`): it reads nothing
                 return
             op.started = True
+            end = (op.start_page + len(op.hashes)) * op.page_size
+            if op.hashes and self.tree.served_tokens(op.namespace, op.tokens) >= end:
+                # Another prefetch of the prefix (ops run one after another), or inserts,
+                # brought it all while this one was queued: nothing to read again.
+                op.pages_ready = len(op.hashes)
+                self._finish_locked(op, PrefetchState.DONE)
+                return
         l3 = self.ctl.l3
         assert l3 is not None
         cfg = self.ctl.cfg
@@ -336,6 +356,9 @@ class Prefetcher:
         total = len(op.hashes)
         done = 0
         outcome = PrefetchState.DONE
+        if self._gives_way(op):  # past its deadline while queued: it reads nothing
+            self._finish(op, PrefetchState.TIMED_OUT)
+            return
         if not op.host and not self._reserve_deferred(op):
             self._finish(op, PrefetchState.FAILED)  # (a cancel that came first decides)
             return
@@ -343,6 +366,9 @@ class Prefetcher:
             while done < total:
                 if op.cancelled:
                     outcome = PrefetchState.CANCELLED
+                    break
+                if self._gives_way(op):
+                    outcome = PrefetchState.TIMED_OUT
                     break
                 hi = min(total, done + BATCH_PAGES)
                 got = hi - done  # leading pages of this batch whose whole family arrived
@@ -385,6 +411,14 @@ class Prefetcher:
             if isinstance(e, BackendTimedOut) and e.pending:
                 self._hold_until_returned(op, e.pending)
         self._finish(op, outcome)
+
+    def _gives_way(self, op: PrefetchOp) -> bool:
+        """Whether a timed-out op stops before its next batch. Its engine computes what
+        had not arrived; pages that arrive late are still inserted for later requests
+        (DESIGN §3), but only while no other prefetch waits for the one worker: reading
+        on for nobody would hold up prefetches whose engines still wait, until they too
+        time out, one after another."""
+        return _timed_out(op) and self.worker.queued() > 0
 
     def _read(self, l3: L3Store, op: PrefetchOp, hashes: list[bytes],
               members: tuple[MemberSpec, ...], host_ids: np.ndarray) -> int:
@@ -493,6 +527,7 @@ class Prefetcher:
             return []
         if moves:
             op.l1_moves.append(moves)
+            self._to_l1.add(op)
         return moves
 
     def _copy_to_l1(self, op: PrefetchOp, moves: list[L1Move], inline: bool) -> None:
@@ -527,6 +562,8 @@ class Prefetcher:
             if not any(m is moves for m in op.l1_moves):
                 return
             op.l1_moves = [m for m in op.l1_moves if m is not moves]
+            if not op.l1_moves:
+                self._to_l1.discard(op)
             transfers = self.ctl.transfers
             try:
                 if copied and not op.l1_broken:
@@ -545,6 +582,7 @@ class Prefetcher:
                     op.to_l1 = False
             finally:
                 self.l1_landed.notify_all()
+                transfers.landed.notify_all()  # (a Load waiting for these slots)
 
     def _mark_in_storage(self, op: PrefetchOp, end: object | None, lo: int, hi: int,
                          checkpoint: bool) -> None:

@@ -1034,6 +1034,7 @@ class Transfers:
         while True:
             wanted = self._wanted_in_l1(self.tree.lock_path(lock))
             copying = {(id(node), kind) for op in self._loads for node, kind, _, _ in op.moves}
+            copying |= self.ctl.prefetcher.copying_to_l1()  # (a prefetch bringing them)
             left = deadline - time.monotonic()
             if left > 0 and any((id(node), kind) in copying for node, kind, _ in wanted):
                 self.landed.wait(min(left, 0.05))

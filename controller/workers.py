@@ -238,6 +238,10 @@ class Worker:
             self._busy += 1
             return True
 
+    def queued(self) -> int:
+        """Jobs waiting for the worker (approximate: it may take one meanwhile)."""
+        return self._queue.qsize()
+
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted job finished; False on timeout."""
         deadline = time.monotonic() + timeout_s

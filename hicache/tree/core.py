@@ -275,6 +275,16 @@ class HiRadixTree:
             )
         return tokens
 
+    def served_tokens(self, namespace: str, tokens: bytes) -> int:
+        """How many of `tokens` (whole pages) a match would serve from L1 or L2 (its host
+        boundary), without counting an access or a hit: for a prefetch asking whether
+        another brought its pages. Splits the node it ends in, as a match does."""
+        tokens = self._check_tokens(tokens)
+        path = self._walk(self._roots.get(namespace), tokens, len(tokens) - len(tokens) % self._pb)
+        i0 = self._boundary(path, LOW_TIERS[0])
+        i1 = self._boundary(path, LOW_TIERS[1], i0) if len(path) > i0 else i0
+        return (path[i1 - 1].depth if i1 else 0) * self.page_size
+
     def _walk(self, root: Node | None, tokens: bytes, limit: int) -> list[Node]:
         """Nodes matching `tokens[:limit]` (whole pages), splitting the one a match ends in."""
         path: list[Node] = []
