@@ -229,7 +229,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _close_session(self, _e: str, r: pb.CloseSessionRequest) -> pb.CloseSessionResponse:
         return pb.CloseSessionResponse(
-            released_refs=self._core.close_session(scoped_session(r.session_id))
+            released_refs=self._core.close_session(
+                scoped_session(convert.check_name("session_id", r.session_id)))
         )
 
     def _stats(self, _engine: str, _r: pb.StatsRequest) -> pb.StatsResponse:

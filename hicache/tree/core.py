@@ -680,9 +680,15 @@ class HiRadixTree:
             raise InvalidArgument("L3 residency is recorded with set_resident, not insert")
         pb = self._pb
         total = len(tokens) // pb
+        had_root = namespace in self._roots
         start = self._start_node(namespace, tokens, lock, tier)
         begin = start.depth
-        provided, gapped = self._check_pages(pages, total - begin)
+        try:
+            provided, gapped = self._check_pages(pages, total - begin)
+        except BaseException:
+            if not had_root and start.parent is None and not start.children:
+                del self._roots[namespace]  # (refused: it changes nothing, keeps no root)
+            raise
         released: list[list[np.ndarray]] = [[] for _ in self.components]
         dropped: list[tuple[int, np.ndarray]] = []  # (component index, ids): rare
         self._tick += 1

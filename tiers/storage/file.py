@@ -502,17 +502,21 @@ class FileBackend(StorageBackend):
 
     def _write_file(self, tmp: str, path: str, data: memoryview) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:
+        for attempt in range(FOLDER_ATTEMPTS):
+            try:
+                fd = os.open(tmp, flags, 0o644)
+                break
+            except FileNotFoundError:
+                if attempt == FOLDER_ATTEMPTS - 1:
+                    raise
             # The fan-out folder does not exist yet: made on first use, so a put into an
             # existing folder costs no extra system call. Recorded for the probe, which
-            # notices folders that go (`_forget_removed_folders`).
+            # notices folders that go (`_forget_removed_folders`). Made again when it went
+            # meanwhile (a canary's removal takes its folders when they are empty).
             folder = os.path.dirname(tmp)
             os.makedirs(folder, exist_ok=True)
             with self._lock:
                 self._folders.add(os.path.basename(os.path.dirname(folder)))
-            fd = os.open(tmp, flags, 0o644)
         try:
             written = 0
             while written < len(data):
@@ -628,6 +632,8 @@ _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # A write refused by the filesystem (read-only) or by permissions: of the whole store when
 # the root refuses, else of the folder that does.
 _WRITE_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+# Tries of a write's temp file whose fan-out folder is missing (made again each time).
+FOLDER_ATTEMPTS = 3
 # How long `start` waits for the index of a store with a capacity (then: the background).
 INDEX_WAIT_S = 5.0
 
