@@ -168,22 +168,24 @@ def test_batch_ops_each_meet_the_token_limit_alone_and_the_summed_request_its_si
         assert held(c) == (0, 0)
 
 
-def test_a_namespace_filling_the_request_size_works_and_one_byte_more_is_refused(
+def test_a_namespace_of_1024_characters_works_and_a_longer_one_is_refused(
         dm: Daemon) -> None:
-    """No namespace length limit is documented; what bounds it is the request size
-    (4 bytes x max_tokens_per_request + 1 MiB). A request of the limit's tokens whose
-    namespace takes most of the slack is served and its pages match in that namespace
-    only; past the size it is RESOURCE_EXHAUSTED and what was cached stays."""
+    """A namespace is at most 1,024 characters (the daemon keeps it as long as its root
+    lasts; it used to take anything up to the request size): one at the limit is served
+    and its pages match in that namespace only; one longer is INVALID_ARGUMENT naming the
+    field, and past the request size RESOURCE_EXHAUSTED; what was cached stays."""
     with dm.client(engine_id="long-ns", retries=0) as c:
         c.attach(map_pools=False)
-        ns = "N" * ((1 << 20) - 4096)
+        ns = "N" * 1024
         prompt = tokens(2 * PAGE, start=42_000_000)
         assert put(c, prompt, ns) == InsertOutcome(2 * PAGE, 0)
         assert c.match(tokens(LIMIT, start=42_000_000), ns).device_tokens == 2 * PAGE
         assert c.match(prompt, ns[:-1]).device_tokens == 0
         assert c.match(prompt).device_tokens == 0
+        with pytest.raises(InvalidArgument, match="namespace: 1025 characters; at most 1024"):
+            c.match(prompt, ns + "N")
         with pytest.raises(ResourceExhausted, match="larger than max"):
-            c.match(tokens(LIMIT, start=42_000_000), ns + "N" * 8192)
+            c.match(tokens(LIMIT, start=42_000_000), ns * 1100)
         assert c.match(prompt, ns).device_tokens == 2 * PAGE
         assert held(c) == (0, 0)
 
@@ -367,7 +369,7 @@ def test_max_open_sessions_1_closes_the_older_session_keeps_its_data_and_counts(
 
 
 @pytest.mark.parametrize("name", [
-    "a" * 100_000,
+    "a" * 1024,
     "\x00",
     "a\x00b",
     "\x01\n\t\x7f",
@@ -376,21 +378,21 @@ def test_max_open_sessions_1_closes_the_older_session_keeps_its_data_and_counts(
 ])
 def test_odd_and_long_namespaces_and_session_ids_are_isolated_and_quoted_briefly(
         dm: Daemon, name: str) -> None:
-    """Namespaces and session ids are opaque strings of any content and length up to the
-    request size: each namespace matches only itself (not "", not its prefix), a session
-    of that id opens and closes, and an error quoting one stays short (cut to 1 KiB)."""
+    """Namespaces and session ids are opaque strings of any content, up to 1,024
+    characters: each namespace matches only itself (not "", not its prefix), a session of
+    that id opens and closes, and an error quoting one stays short (cut to 1 KiB)."""
     salt = sum(map(ord, name[:50])) + len(name)
     prompt = tokens(PAGE, start=80_000_000 + 1_000 * (salt % 5_000))
     with dm.client(engine_id="odd-names", retries=0) as c:
         c.attach(map_pools=False)
         assert put(c, prompt, name, session_id=name) == InsertOutcome(PAGE, 0)
         assert c.match(prompt, name).device_tokens == PAGE
-        for other in ("", name[:-1], name + "\x00"):
+        for other in ("", name[:-1], (name + "\x00")[-1024:]):
             if other != name:
                 assert c.match(prompt, other).device_tokens == 0, repr(other[:20])
         assert c.close_session(name) == 1
         with pytest.raises(NotFound) as info:
-            c.close_session(name + "-never")
+            c.close_session((name + "-never")[-1024:])
         assert len(str(info.value).encode()) <= 1100
         m = c.match(prompt, name, lock=True)
         with pytest.raises(InvalidArgument) as wrong:

@@ -461,11 +461,14 @@ def test_a_session_id_past_1024_characters_is_refused_naming_the_field(sessions:
         assert not any(p.locked_pages for p in c.stats().pools)  # nothing held
 
 
-def test_an_unknown_long_session_id_is_not_found_with_a_bounded_message(sessions: Daemon) -> None:
+def test_an_unknown_long_session_id_is_refused_with_a_bounded_message(sessions: Daemon) -> None:
     with sessions.client(engine_id="long-id") as c:
-        with pytest.raises(NotFound) as err:
+        with pytest.raises(InvalidArgument) as err:
             c.close_session("never-" + "y" * 200_000)
-        assert "never-" in str(err.value) and len(str(err.value)) < 2_000
+        assert "session_id: 200006 characters" in str(err.value) and len(str(err.value)) < 2_000
+        with pytest.raises(NotFound) as missing:
+            c.close_session("never-" + "y" * 1_000)
+        assert "never-" in str(missing.value) and len(str(missing.value)) < 2_000
 
 
 def test_two_tenants_using_one_session_id_keep_their_own_sessions(tenants: Daemon) -> None:
