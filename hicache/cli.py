@@ -24,7 +24,7 @@ from hicache.config import (
     to_plain,
 )
 from hicache.endpoint import parse_address
-from hicache.errors import ConfigError, HicacheError
+from hicache.errors import ConfigError, FailedPrecondition, HicacheError
 
 log = logging.getLogger("hicache")
 
@@ -110,6 +110,14 @@ def _stdout_to_devnull() -> None:
 def _cmd_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.file, args.set)
     _out(describe(cfg))
+    # Valid (exit 0): the file may be meant for another host. On this one, `serve` would
+    # refuse an L2 that does not fit: said here, as a warning.
+    from hicache.tiers.sizing import check_host_fit
+
+    try:
+        check_host_fit(cfg)
+    except (ConfigError, FailedPrecondition) as e:
+        print(f"hicache: warning: on this host, serve would refuse it: {e}", file=sys.stderr)
     return 0
 
 

@@ -150,6 +150,12 @@ class SocketLock:
                 self.path.unlink()  # left by a daemon that died: its lock went with it
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # (a full filesystem: no room for the pid)
+            os.close(fd)
+            raise FailedPrecondition(
+                f"server.listen=unix://{self.path}: cannot create the socket there "
+                f"({e.strerror}: {e.filename or self.lock_path})"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

@@ -65,6 +65,25 @@ def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
     )
 
 
+
+def _started_pool(workers: int, prefix: str) -> futures.ThreadPoolExecutor:
+    """A thread pool whose `workers` threads are all running now. A pool starts them as
+    calls come, and gRPC's serving thread submits calls unguarded: a thread it could not
+    start then (a limit on threads or memory reached under load) ended that thread, and
+    the daemon lived on answering nothing. Started here, such a limit refuses the start."""
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+    barrier = threading.Barrier(workers + 1)
+    try:
+        for _ in range(workers):
+            pool.submit(barrier.wait)
+        barrier.wait(timeout=30)
+    except (RuntimeError, threading.BrokenBarrierError) as e:
+        barrier.abort()
+        pool.shutdown(wait=False)
+        raise FailedPrecondition(f"cannot start the server's {workers} {prefix} threads ({e}): "
+                                 "a limit on threads or memory (ulimit -u, -v; a pids cgroup)") from None
+    return pool
+
 class HealthServicer(health.HealthServicer):
     """The standard grpc.health.v1 service, whose NOT_FOUND for a service it does not
     know says so (the library's carries no message; every status here says what was
@@ -152,7 +171,7 @@ class Daemon:
         ]
         self.interceptor = ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rpc"),
+            _started_pool(WORKERS, "rpc"),
             interceptors=[self.interceptor],
             options=options,
         )
@@ -180,7 +199,7 @@ class Daemon:
             os.chmod(self.endpoint.path, self.cfg.server.socket_mode_bits)
         if self.cfg.server.probe_listen:
             self.probe_server = grpc.server(
-                futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe"),
+                _started_pool(2, "probe"),
                 options=[("grpc.so_reuseport", 0)],
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)

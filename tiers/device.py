@@ -29,7 +29,13 @@ import numpy as np
 import torch
 
 from hicache.config import HicacheConfig, MemberSpec
-from hicache.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from hicache.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from hicache.tiers.base import DevicePools, PoolDescriptor, PoolKind
 from hicache.tiers.members import MemberTable
 from hicache.tiers.prefault import Prefaulter
@@ -72,10 +78,14 @@ class InstanceLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             except PermissionError as e:
+                if not os.access(shm_dir, os.W_OK):
+                    raise _unusable(shm_dir, self.path, e) from None
                 raise FailedPrecondition(
                     f"daemon instance {instance!r}: cannot open {self.path} ({e.strerror}): "
                     "another user's daemon uses this instance name; pick another one"
                 ) from None
+            except OSError as e:  # read-only, no inode left, ...
+                raise _unusable(shm_dir, self.path, e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -199,6 +209,13 @@ def _address(m: mmap.mmap) -> int:
     return int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
 
 
+def _unusable(shm_dir: Path, path: Path, e: OSError) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"l1: cannot create {path} ({e.strerror}): {shm_dir} must be a writable tmpfs with "
+        "room and free inodes"
+    )
+
+
 def _reserve(fd: int, path: Path, size: int) -> None:
     """Give the new segment its memory now. A tmpfs file is sparse: without this, a full
     /dev/shm surfaces later as SIGBUS in whichever process first writes a missing page
@@ -209,8 +226,9 @@ def _reserve(fd: int, path: Path, size: int) -> None:
         if e.errno in (errno.ENOSPC, errno.EFBIG):
             free = os.statvfs(path.parent)
             raise ResourceExhausted(
-                f"l1: {path.parent} has {free.f_bavail * free.f_frsize} bytes free, the pools "
-                f"need {size} (enlarge that tmpfs or lower tiers.l1)"
+                f"l1: {path.parent} has {free.f_bavail * free.f_frsize} bytes free, the pool "
+                f"{path.name} needs {size} (enlarge that tmpfs or lower tiers.l1.tokens / "
+                "tiers.l1.size_gb)"
             ) from None
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
@@ -229,6 +247,10 @@ class _Segment:
             raise FailedPrecondition(f"shm segment {path} already exists") from None
         except FileNotFoundError:
             raise NotFound(f"shm segment {path} does not exist (daemon gone?)") from None
+        except OSError as e:
+            if not create:
+                raise
+            raise _unusable(path.parent, path, e) from None
         try:
             if create:
                 os.ftruncate(fd, size)
@@ -238,7 +260,16 @@ class _Segment:
                     f"shm segment {path} holds {os.fstat(fd).st_size} bytes, "
                     f"the descriptor needs {size}"
                 )
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:
+                if e.errno != errno.ENOMEM:
+                    raise
+                raise ConfigError(
+                    f"tiers.l1: {path.name} ({size} bytes) cannot be mapped ({e.strerror}): the "
+                    "address-space limit (ulimit -v) or the kernel's overcommit refuses it; "
+                    "lower tiers.l1.tokens / tiers.l1.size_gb or raise the limit"
+                ) from None
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 # Huge pages cut TLB misses of page gathers; tmpfs honours this only when
                 # /sys/kernel/mm/transparent_hugepage/shmem_enabled is 'advise' or more.
@@ -288,6 +319,16 @@ class ShmDevicePools(MemberTable, DevicePools):
         self._tp_size = tp_size
         self._segments: dict[str, _Segment] = {}
         self._arrays: dict[str, np.ndarray] = {}
+        sizes = [spec.layers * self.num_pages(spec.component) * spec.bytes_per_page_per_layer
+                 for spec in self.members]
+        with contextlib.suppress(OSError):  # (the segments' own reservations decide)
+            free = os.statvfs(shm_dir)
+            room = free.f_bavail * free.f_frsize
+            if sum(sizes) > room:
+                raise ResourceExhausted(
+                    f"l1: {shm_dir} has {room} bytes free, the pools need {sum(sizes)} "
+                    f"({len(sizes)} members; enlarge that tmpfs or lower tiers.l1.tokens / "
+                    "tiers.l1.size_gb)")
         try:
             for spec in self.members:
                 n = self.num_pages(spec.component)

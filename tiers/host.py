@@ -17,21 +17,29 @@ Layouts (``tiers.l2.layout``):
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from hicache.config import OS_PAGE, GiB, HicacheConfig, MemberSpec
+from hicache.config import OS_PAGE, HicacheConfig, MemberSpec
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
 from hicache.tiers.pool import checked_ids
 from hicache.tiers.prefault import Prefaulter
-from hicache.tiers.sizing import SLOT_ALIGN, host_pages, round_up, slot_bytes
+from hicache.tiers.sizing import (
+    SLOT_ALIGN,
+    cgroup_memory_left,
+    check_host_fit,
+    host_pages,
+    mem_available_bytes,
+    round_up,
+    slot_bytes,
+)
 from hicache.types import ComponentKind, HostLayout
 
 __all__ = [
@@ -46,79 +54,6 @@ __all__ = [
 ]
 
 _OS_PAGE = OS_PAGE  # (the one rule: `HicacheConfig.l2_pages` sizes by it)
-
-
-def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable of this machine, in bytes."""
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise FailedPrecondition(f"{meminfo}: no MemAvailable line")
-
-
-# A cgroup v1 "no limit" reads as a page-rounded 2^63: anything this large is none.
-_NO_LIMIT = 1 << 60
-
-
-def cgroup_memory_left(proc_cgroup: Path = Path("/proc/self/cgroup"),
-                       root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes this process's memory cgroup may still charge (its limit less its usage), the
-    tightest on the way up to the root, from cgroup v2 or v1's memory controller; None
-    where no limit is set or readable. In a container, /proc/meminfo shows the node's
-    memory: a pool sized by it alone passes the check and is then OOM-killed."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    best: int | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and not controllers:
-            base, limit_file, usage_file = root, "memory.max", "memory.current"
-        elif "memory" in controllers.split(","):
-            base, limit_file, usage_file = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        here = base / path.lstrip("/")
-        while True:
-            left = _limit_left(here / limit_file, here / usage_file)
-            if left is not None:
-                best = left if best is None else min(best, left)
-            if here == base or base not in here.parents:
-                break
-            here = here.parent
-    return best
-
-
-def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
-    """The limit less the working set: the usage less the inactive file cache (what the
-    kernel reclaims first, as the kubelet counts it), read from `memory.stat` beside."""
-    try:
-        limit_text = limit_file.read_text().strip()
-        if limit_text == "max":
-            return None
-        limit = int(limit_text)
-        if limit >= _NO_LIMIT:
-            return None
-        usage = int(usage_file.read_text().strip())
-    except (OSError, ValueError):
-        return None
-    inactive = 0
-    try:
-        for line in (limit_file.parent / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("inactive_file", "total_inactive_file"):  # (v2, v1)
-                inactive = int(value)
-                if key == "total_inactive_file":
-                    break
-    except (OSError, ValueError):
-        pass
-    return max(0, limit - max(0, usage - inactive))
-
-
 
 
 class HostBufferPools(MemberTable, HostPools):
@@ -145,9 +80,18 @@ class HostBufferPools(MemberTable, HostPools):
             self._offsets[spec.name] = offset
             offset = round_up(offset + self.region_bytes(spec), _OS_PAGE)
         self._size = max(offset, _OS_PAGE)
-        self._map: mmap.mmap | None = mmap.mmap(
-            -1, self._size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
+        try:
+            self._map: mmap.mmap | None = mmap.mmap(
+                -1, self._size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            raise ConfigError(
+                f"tiers.l2: the host pools ({self._size} bytes) cannot be mapped ({e.strerror}): "
+                "the address-space limit (ulimit -v) or the kernel's overcommit refuses them; "
+                "lower tiers.l2.ratio / tiers.l2.size_gb or raise the limit"
+            ) from None
         if hasattr(mmap, "MADV_HUGEPAGE"):
             # Fewer TLB misses on page-sized gathers/scatters (ignored where THP is off).
             with contextlib.suppress(OSError):
@@ -290,27 +234,7 @@ def build_host_pools(
     Raises `ConfigError` naming the needed and the allowed byte counts when the pools do
     not fit in ``available - tiers.l2.reserve_gb``.
     """
-    pages = host_pages(cfg)
-    members = cfg.model.members
-    layout = cfg.host_layout
-    needed = sum(round_up(pages[m.component] * slot_bytes(m, layout), _OS_PAGE) for m in members)
-    source = "MemAvailable"
-    if available_bytes is None:
-        available = mem_available_bytes()
-        in_cgroup = cgroup_memory_left()
-        if in_cgroup is not None and in_cgroup < available:
-            available, source = in_cgroup, "what the memory cgroup's limit leaves"
-    else:
-        available = available_bytes
-    reserve = int(cfg.tiers.l2.reserve_gb * GiB)
-    allowed = available - reserve
-    if needed > allowed:
-        raise ConfigError(
-            f"tiers.l2: the host pools need {needed} bytes ({needed / GiB:.2f} GiB) but only "
-            f"{max(allowed, 0)} bytes ({max(allowed, 0) / GiB:.2f} GiB) may be used "
-            f"({source}, {available} bytes, minus tiers.l2.reserve_gb {cfg.tiers.l2.reserve_gb}); "
-            f"lower tiers.l2.ratio / tiers.l2.size_gb or the reserve"
-        )
+    check_host_fit(cfg, available_bytes)
     if pin is None:
         pin = torch.cuda.is_available()
-    return HostBufferPools(members, pages, layout, pin=pin)
+    return HostBufferPools(cfg.model.members, host_pages(cfg), cfg.host_layout, pin=pin)

@@ -99,7 +99,7 @@ def test_a_full_shm_filesystem_refuses_start_and_leaves_nothing(
         real(fd, offset, size)
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(ResourceExhausted, match=r"l1: /dev/shm has \d+ bytes free, the pools need \d+"):
+    with pytest.raises(ResourceExhausted, match=r"l1: /dev/shm has \d+ bytes free, the pool \S+ needs \d+"):
         ShmDevicePools.create(tiny_config(), instance)
     assert len(calls) == 2 and not list(Path("/dev/shm").glob(f"*{instance}*"))
 
