@@ -7,6 +7,9 @@ failed) only when the binary is missing.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -36,6 +39,31 @@ def redis_server() -> Iterator[RedisServer]:
     server.start()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def pausable_redis() -> Iterator[RedisServer]:
+    """A redis-server of one module's own, which its tests may stop (`held`) to hold the
+    calls under way; resumed before it is stopped."""
+    server = RedisServer(_binary("redis-server"))
+    server.start()
+    yield server
+    if server.pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+    server.close()
+
+
+@contextlib.contextmanager
+def held(server: RedisServer) -> Iterator[None]:
+    """`server` stopped (SIGSTOP: no answer, no refusal) for the block: calls started stay
+    in flight."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
 
 
 @pytest.fixture(scope="session")

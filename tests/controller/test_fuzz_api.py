@@ -1055,7 +1055,7 @@ class HybridFuzz(ControllerFuzz):
 TestPlainFuzz = PlainFuzz.TestCase
 TestPlainFuzz.settings = SETTINGS
 TestHybridFuzz = HybridFuzz.TestCase
-TestHybridFuzz.settings = settings(SETTINGS, max_examples=30)  # (slower: ~0.5 s an example)
+TestHybridFuzz.settings = settings(SETTINGS, max_examples=20)  # (slower: ~1-1.5 s an example)
 
 # The bugs this fuzz found (write-back L1 -> L2: an interior node stuck in L1, a flush that
 # evicted unwritten L2 data, a written-back node never written through to L3) have their

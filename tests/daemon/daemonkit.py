@@ -10,12 +10,16 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hicache.bench.services import free_port as free_port  # the daemon tests take it from here
 from hicache.client import Client
 from hicache.errors import HicacheError
+
+if TYPE_CHECKING:
+    from hicache.bench.oracle import KvOracle
 
 PAGE = 64  # model.page_size of the embedded config
 # Tiny sizes: L1 16 pages of 64 KiB (4 layers x 16 KiB), L2 32 pages.
@@ -141,3 +145,19 @@ def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return str(r.read().decode())
+
+
+def load_and_verify(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAGE) -> int:
+    """Match `prompt`, Load its L2 part, check every reused page's bytes against `oracle`
+    (no wrong byte, none missing); the tokens reused."""
+    with c.matched(prompt) as hit:
+        reused, pages = hit.device_tokens, hit.device_pages
+        if hit.host_tokens:
+            last = list(c.load(hit.lock_id))[-1]
+            assert last.device_pages is not None and last.device_tokens is not None
+            reused, pages = last.device_tokens, last.device_pages
+        before = oracle.pages_checked
+        oracle.verify(prompt, pages, reused // page)
+        assert oracle.pages_checked > before or reused == 0
+    assert oracle.wrong_bytes == 0 and oracle.pages_missing == 0
+    return reused

@@ -15,9 +15,7 @@ Confirmed bugs are strict xfails (the test asserts the correct behaviour).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -26,16 +24,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from services import held as redis_held
 
 import hicache.controller.prefetch as pf
 from hicache.bench.oracle import KvOracle
-from hicache.bench.services import RedisServer, find_binary
+from hicache.bench.services import RedisServer
 from hicache.client import Client
 from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
 from hicache.errors import BackendUnavailable, NotFound
 from hicache.types import ComponentKind, Tier
 
 from .daemonkit import PAGE, Daemon, run_cli, tokens
+from .daemonkit import load_and_verify as client_load_and_verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
 from engine_sim import Engine, Loader, built_controllers, seq, wait_prefetch
@@ -371,17 +371,8 @@ def test_a_cancel_while_the_prefetch_waits_for_room_gives_everything_back(
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    binary = find_binary("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer(binary)
-    server.start()
-    yield server
-    if server.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server.pid, signal.SIGCONT)
-    server.close()
+def redis(pausable_redis: RedisServer) -> RedisServer:
+    return pausable_redis
 
 
 def _sets(redis: RedisServer) -> tuple[str, ...]:
@@ -417,14 +408,6 @@ def wc(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator
     d.close()
 
 
-@contextlib.contextmanager
-def redis_held(redis: RedisServer) -> Iterator[None]:
-    assert redis.pid is not None
-    os.kill(redis.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(redis.pid, signal.SIGCONT)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -445,18 +428,6 @@ def stored(store: Callable[[bytes], None], c: Client, pages: int, start: int) ->
     m = c.match(prompt)
     assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, pages * PAGE)
     return prompt
-
-
-def load_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
-    with c.matched(prompt) as hit:
-        reused, pages = hit.device_tokens, hit.device_pages
-        if hit.host_tokens:
-            last = list(c.load(hit.lock_id))[-1]
-            assert last.device_pages is not None and last.device_tokens is not None
-            reused, pages = last.device_tokens, last.device_pages
-        oracle.verify(prompt, pages, reused // PAGE)
-    assert oracle.wrong_bytes == 0 and oracle.pages_missing == 0
-    return reused
 
 
 def reader(c: Client) -> KvOracle:
@@ -505,8 +476,8 @@ def test_daemon_two_engines_prefetch_one_prefix_one_cancels_and_a_lookup_sees_no
         assert (info_a.state, info_a.tokens_ready) == (CANCELLED, 0)
         wait_for(lambda: a.stats().counters["prefetches_running"] == 0, 20, "idle")
         wait_for(lambda: pool(a, "device")[1] == pool(a, "host")[1] == 0, 10, "nothing pinned")
-        assert load_verify(a, oa, prompt) == 4 * PAGE
-        assert load_verify(b, ob, prompt) == 4 * PAGE
+        assert client_load_and_verify(a, oa, prompt) == 4 * PAGE
+        assert client_load_and_verify(b, ob, prompt) == 4 * PAGE
         assert pool(a, "host") == (host0 + 4, 0)
         out = run_cli("stats", "--target", wc.target, "--json")
         assert out.returncode == 0, out.stderr

@@ -13,8 +13,6 @@ byte for byte (`KvOracle`), and L2 holds no more than what the tree keeps afterw
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -22,16 +20,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from services import held as redis_held
 
 from hicache.bench.oracle import KvOracle
-from hicache.bench.services import RedisServer, find_binary
+from hicache.bench.services import RedisServer
 from hicache.client import Client
 from hicache.controller.base import PrefetchState
 from hicache.errors import NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
-from .daemonkit import PAGE, Daemon, tokens
+from .daemonkit import PAGE, Daemon, load_and_verify, tokens
 
 MakeDaemon = Callable[..., Daemon]
 RUNNING, DONE, CANCELLED, TIMED_OUT = (
@@ -57,17 +56,8 @@ TIMEOUT_SETS = (
 
 
 @pytest.fixture(scope="module")
-def redis() -> Iterator[RedisServer]:
-    binary = find_binary("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer(binary)
-    server.start()
-    yield server
-    if server.pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(server.pid, signal.SIGCONT)
-    server.close()
+def redis(pausable_redis: RedisServer) -> RedisServer:
+    return pausable_redis
 
 
 def _sets(redis: RedisServer) -> tuple[str, ...]:
@@ -133,15 +123,6 @@ def to(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator
 # --------------------------------------------------------------------------- helpers
 
 
-@contextlib.contextmanager
-def redis_held(redis: RedisServer) -> Iterator[None]:
-    """Redis stopped (no answer, no refusal) for the block: reads started stay in flight."""
-    assert redis.pid is not None
-    os.kill(redis.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(redis.pid, signal.SIGCONT)
 
 
 def stored(store: Callable[[bytes], None], c: Client, pages: int, start: int) -> bytes:
@@ -213,21 +194,6 @@ def prefetches(c: Client) -> int:
     )
 
 
-def load_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
-    """Match `prompt`, Load its L2 part, check every reused page's bytes; tokens reused."""
-    with c.matched(prompt) as hit:
-        reused, pages = hit.device_tokens, hit.device_pages
-        if hit.host_tokens:
-            last = list(c.load(hit.lock_id))[-1]
-            assert last.device_pages is not None and last.device_tokens is not None
-            reused, pages = last.device_tokens, last.device_pages
-        before = oracle.pages_checked
-        oracle.verify(prompt, pages, reused // PAGE)
-        assert oracle.pages_checked > before or reused == 0
-    assert oracle.wrong_bytes == 0 and oracle.pages_missing == 0
-    return reused
-
-
 # --------------------------------------------------------------------------- threshold
 
 
@@ -253,7 +219,7 @@ def test_a_prefetch_starts_from_exactly_threshold_tokens(wc: Daemon, store) -> N
         assert (info.tokens_ready, info.tokens_total) == (4 * PAGE, 4 * PAGE)
         idle(c)
         nothing_pinned(c)  # no pin left behind
-        assert load_verify(c, oracle, enough) == 4 * PAGE
+        assert load_and_verify(c, oracle, enough) == 4 * PAGE
         assert c.match(short).storage_tokens == 3 * PAGE  # never fetched
 
 
@@ -295,7 +261,7 @@ def test_prefetch_past_an_l2_prefix_then_load_is_byte_exact_and_backs_nothing_up
         hit = c.match(prompt)
         assert (hit.device_tokens, hit.host_tokens, hit.storage_tokens) == (0, 6 * PAGE, 0)
         assert pool(c, "host") == (host0 + 4, 0)
-        assert load_verify(c, oracle, prompt) == 6 * PAGE
+        assert load_and_verify(c, oracle, prompt) == 6 * PAGE
         assert (counter(c, "backups_host"), counter(c, "backups_storage")) == backups
 
 
@@ -338,7 +304,7 @@ def test_cancel_mid_read_and_while_queued(wc: Daemon, store, redis: RedisServer)
         assert (never.device_tokens, never.host_tokens, never.storage_tokens) == (0, 0, 4 * PAGE)
         assert pool(c, "host") == (host0 + 4, 0)
         wait_for(lambda: pool(c, "device")[1] == 0, 10, "nothing pinned in L1")
-        assert load_verify(c, oracle, first) == 4 * PAGE
+        assert load_and_verify(c, oracle, first) == 4 * PAGE
 
 
 def test_cancel_after_done_and_by_another_engine(wc: Daemon, store, redis: RedisServer) -> None:
@@ -368,7 +334,7 @@ def test_cancel_after_done_and_by_another_engine(wc: Daemon, store, redis: Redis
             other.cancel_prefetch(m.prefetch_id)
         assert counter(c, "prefetches_cancelled") == cancelled
         c.release(lock_id=m.lock_id)
-        assert load_verify(c, oracle, prompt) == 4 * PAGE
+        assert load_and_verify(c, oracle, prompt) == 4 * PAGE
 
 
 # --------------------------------------------------------------------------- lock, engine gone
@@ -406,8 +372,8 @@ def test_wait_complete_outlives_its_released_lock_and_its_restarted_engine(
             assert hit.device_tokens + hit.host_tokens == 4 * PAGE
     with wc.client(engine_id="gone-reader") as r:
         oracle = reader(r)
-        assert load_verify(r, oracle, released_early) == 4 * PAGE
-        assert load_verify(r, oracle, restarted) == 4 * PAGE
+        assert load_and_verify(r, oracle, released_early) == 4 * PAGE
+        assert load_and_verify(r, oracle, restarted) == 4 * PAGE
 
 
 def test_closing_the_session_mid_prefetch_stops_nothing(
@@ -437,7 +403,7 @@ def test_closing_the_session_mid_prefetch_stops_nothing(
         nothing_pinned(c)
         hit = c.match(prompt)
         assert hit.device_tokens + hit.host_tokens == 5 * PAGE
-        assert load_verify(c, oracle, prompt) == 5 * PAGE
+        assert load_and_verify(c, oracle, prompt) == 5 * PAGE
 
 
 # --------------------------------------------------------------------------- best_effort
@@ -475,8 +441,8 @@ def test_best_effort_stops_when_the_request_moves_on(be: Daemon, store, redis: R
         for pid in (r.prefetch_id, ld.prefetch_id, ins.prefetch_id):
             assert c.prefetch_status(pid).state is CANCELLED
         nothing_pinned(c)
-        assert load_verify(c, oracle, p_free) == 2 * PAGE  # the read in flight
-        assert load_verify(c, oracle, p_insert) == 2 * PAGE  # what the engine inserted
+        assert load_and_verify(c, oracle, p_free) == 2 * PAGE  # the read in flight
+        assert load_and_verify(c, oracle, p_insert) == 2 * PAGE  # what the engine inserted
         for prompt in (p_release, p_load):  # queued behind it, cancelled: never read
             m = c.match(prompt)
             assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, 2 * PAGE)
@@ -506,7 +472,7 @@ def test_best_effort_prefetch_of_an_engine_whose_lease_lapsed_is_cancelled(
         assert (info.state, info.tokens_ready) == (CANCELLED, 0)
         idle(again)
         nothing_pinned(again)
-        assert load_verify(again, oracle, prompt) == 4 * PAGE
+        assert load_and_verify(again, oracle, prompt) == 4 * PAGE
 
 
 # --------------------------------------------------------------------------- timeout
@@ -554,8 +520,8 @@ def test_timeout_deadline_is_base_plus_per_kib_tokens_capped_and_late_pages_dedu
         assert counter(c, "prefetches_timed_out") == timed_out + 2
         wait_for(lambda: pool(c, "device")[1] == 0, 10, "copies landed")
         assert pool(c, "host") == (host0 + 7, 0)
-        assert load_verify(c, oracle, one) == PAGE  # the late page, kept for later requests
-        assert load_verify(c, oracle, six) == 6 * PAGE
+        assert load_and_verify(c, oracle, one) == PAGE  # the late page, kept for later requests
+        assert load_and_verify(c, oracle, six) == 6 * PAGE
 
 
 def test_a_cancel_after_the_deadline_does_not_undo_the_timeout(

@@ -75,6 +75,8 @@ def test_client_connect_attach_work_close_leaves_nothing_in_this_process(make_da
     to where they were."""
     d = make_daemon("server.lease_ms=1500")
     me = os.getpid()
+    # (Threads other test modules of this worker process left, an L3 pipeline's say.)
+    before = set(threading.enumerate())
 
     def round_(r: int) -> None:
         for i in range(20):
@@ -105,7 +107,8 @@ def test_client_connect_attach_work_close_leaves_nothing_in_this_process(make_da
     samples.append(_proc(me))
     _assert_plateau("client process", samples, fds=4, threads=2, rss_mib=40)
     assert all(s["shm_maps"] == 0 for s in samples), samples
-    assert threading.active_count() <= 2, threading.enumerate()  # no heartbeat thread left
+    left = [t for t in threading.enumerate() if t not in before]
+    assert len(left) <= 1, left  # no heartbeat thread left (one of gRPC's may stay)
 
 
 def test_one_client_attaching_again_and_again_keeps_one_mapping(make_daemon) -> None:  # type: ignore[no-untyped-def]

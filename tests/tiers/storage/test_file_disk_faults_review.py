@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon.daemonkit import PAGE, Daemon, run_cli, tokens
+from daemon.daemonkit import PAGE, Daemon, load_and_verify, run_cli, tokens
 from storage_pages import Pool, keys, storage_config
 
 from hicache.bench.oracle import KvOracle
@@ -493,17 +493,6 @@ def _put(c: Client, oracle: KvOracle, prompt: bytes) -> None:
     c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
 
 
-def _load_and_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
-    with c.matched(prompt) as hit:
-        reused, pages = hit.device_tokens, hit.device_pages
-        if hit.host_tokens:
-            last = list(c.load(hit.lock_id))[-1]
-            assert last.device_pages is not None and last.device_tokens is not None
-            reused, pages = last.device_tokens, last.device_pages
-        oracle.verify(prompt, pages, reused // PAGE)
-    return reused
-
-
 def _prefetch_and_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
     """Prefetch what L3 holds of `prompt`, load it and verify it; the tokens reused."""
     with c.matched(prompt, prefetch=True) as m:
@@ -512,7 +501,7 @@ def _prefetch_and_verify(c: Client, oracle: KvOracle, prompt: bytes) -> int:
             while c.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING:
                 assert time.monotonic() < deadline, "prefetch still running"
                 time.sleep(0.02)
-    return _load_and_verify(c, oracle, prompt)
+    return load_and_verify(c, oracle, prompt)
 
 
 def _deep(d: Daemon) -> subprocess.CompletedProcess[str]:
@@ -554,7 +543,7 @@ def test_a_daemon_whose_store_turns_read_only_serves_l1_reports_it_and_recovers(
             deep = _deep(d)
             assert deep.returncode == 1, deep.stdout + deep.stderr
             assert "not writable" in deep.stdout + deep.stderr or "EROFS" in deep.stdout + deep.stderr
-            assert _load_and_verify(c, oracle, during) == PAGES * PAGE
+            assert load_and_verify(c, oracle, during) == PAGES * PAGE
             assert c.serving()
             undo()
             _wait(lambda: _deep(d).returncode == 0, 20, "health --deep 0 once writable")
