@@ -347,6 +347,7 @@ def test_a_node_closed_mid_workload_and_torn_objects_never_serve_wrong_bytes(tmp
         with open(dead_tmp, "wb") as f:
             f.write(b"\0" * (OBJ // 3))  # a dead writer's partial object
         late = _ctl(cfg, "l")
+        assert late.l3.backend.wait_indexed(10)  # (the start's walk runs in the background)
         assert not os.path.exists(dead_tmp), "a dead writer's temp file survived the start-up sweep"
         nodes.append(late)
         stats = _drive(nodes, seed=4, ops=120)

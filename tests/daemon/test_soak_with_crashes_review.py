@@ -21,7 +21,7 @@ agree, lapses + restarts equal the engine processes that attached, a SIGTERM the
 it cleanly (exit 0, no shared memory left) and its log holds no traceback. A second test
 kills an engine with its `Load` streaming and restarts it under its id at once.
 
-`HICACHE_SOAK_S` lengthens the soak (default 22 s), `HICACHE_SOAK_SEED` picks the seed,
+`HICACHE_SOAK_S` lengthens the soak (default 35 s), `HICACHE_SOAK_SEED` picks the seed,
 `HICACHE_SOAK_ENGINES` the number of engine processes at once (default 4),
 `HICACHE_SOAK_PREFETCH` the prefetch policy (default timeout), `HICACHE_SOAK_L1_TO_L2` and
 `HICACHE_SOAK_L2_TO_L3` the write policies (default write_through),
@@ -471,7 +471,7 @@ def test_engines_killed_mid_request_leave_nothing_held_and_no_wrong_byte(tmp_pat
     from .daemonkit import run_cli
 
     seed = _env_int("HICACHE_SOAK_SEED", 1)
-    soak = Soak(tmp_path, seed, _env_int("HICACHE_SOAK_S", 22), _env_int("HICACHE_SOAK_ENGINES", 4))
+    soak = Soak(tmp_path, seed, _env_int("HICACHE_SOAK_S", 35), _env_int("HICACHE_SOAK_ENGINES", 4))
     try:
         soak.run()
         reports = soak.reports()

@@ -937,6 +937,7 @@ def test_file_start_over_junk_left_in_the_store_folder(tmp_path: os.PathLike[str
             pass
     backend = _file_backend(tmp_path)
     try:
+        assert backend.wait_indexed(10)  # (the start's walk runs in the background)
         # A temp file of this host whose pid is past any process's is a dead writer's
         # (removed); a name this code does not write, and a link, are left alone.
         assert os.path.lexists(path) == (junk != "pid-too-large")
