@@ -138,7 +138,7 @@ class Prefetcher:
         # Per tenant (see `tenant_of_config`), the ids of its ops, oldest first: each keeps
         # at most `keep_finished`, so one tenant's prefetches never push out another's
         # records (its PrefetchStatus would be lost early).
-        self._tenant_of = tenant_of_config(ctl.cfg) or (lambda _owner: "")
+        self._tenant_of = tenant_of_config(ctl.cfg)
         self._of_tenant: dict[str, OrderedDict[int, None]] = {}
         self._to_l1: set[PrefetchOp] = set()  # ops with copies to L1 in flight (mutex)
         # Prefetch ids are random, so that one tenant cannot guess another's (they are

@@ -70,11 +70,16 @@ def tenant_of(scoped_name: str) -> str:
     return scoped_name.partition(SCOPE)[0]
 
 
-def tenant_of_config(cfg: HicacheConfig) -> Callable[[str], str] | None:
-    """Whose a scoped engine or session id is under `cfg`: with bearer tokens, its token's
-    (`tenant_of`), for bounds that hold per tenant (open sessions, finished prefetches
-    kept); None without tokens (one trust domain, one tenant)."""
-    return tenant_of if cfg.server.tokens else None
+def one_tenant(_name: str) -> str:
+    """Without tokens every caller is one tenant (one trust domain)."""
+    return ""
+
+
+def tenant_of_config(cfg: HicacheConfig) -> Callable[[str], str]:
+    """Whose a scoped engine or session id is under `cfg`, for bounds that hold per tenant
+    (open sessions, finished prefetches kept): with bearer tokens its token's
+    (`tenant_of`), else `one_tenant`."""
+    return tenant_of if cfg.server.tokens else one_tenant
 
 
 _current: contextvars.ContextVar[Principal] = contextvars.ContextVar(

@@ -77,11 +77,12 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
 
 @pytest.fixture
 def redis_factory() -> Iterator[Callable[[], RedisServer]]:
-    """Private redis-server instances (for stop/restart tests), stopped after the test."""
+    """Private redis-server instances (for stop/restart tests), stopped after the test;
+    `make(*flags, port=...)` passes more flags to the server, or takes a given port."""
     started: list[Service] = []
 
-    def make() -> RedisServer:
-        server = RedisServer(_binary("redis-server"))
+    def make(*flags: str, port: int | None = None) -> RedisServer:
+        server = RedisServer(_binary("redis-server"), port, flags)
         started.append(server)
         server.start()
         return server

@@ -33,10 +33,8 @@ from hicache.tiers.pool import checked_ids
 from hicache.tiers.prefault import Prefaulter
 from hicache.tiers.sizing import (
     SLOT_ALIGN,
-    cgroup_memory_left,
     check_host_fit,
     host_pages,
-    mem_available_bytes,
     round_up,
     slot_bytes,
 )
@@ -47,9 +45,7 @@ __all__ = [
     "SLOT_ALIGN",
     "HostBufferPools",
     "build_host_pools",
-    "cgroup_memory_left",
     "host_pages",
-    "mem_available_bytes",
     "slot_bytes",
 ]
 

@@ -157,9 +157,11 @@ class Service(abc.ABC):
 class RedisServer(Service):
     name = "redis-server"
 
-    def __init__(self, binary: str, port: int | None = None) -> None:
+    def __init__(self, binary: str, port: int | None = None, extra_args: Sequence[str] = ()) -> None:
+        """`extra_args`: more `redis-server` flags (e.g. `--enable-debug-command local`)."""
         super().__init__(binary)
         self.port = port or free_port()
+        self.extra_args = tuple(extra_args)
 
     @property
     def url(self) -> str:
@@ -178,6 +180,7 @@ class RedisServer(Service):
             "no",
             "--protected-mode",
             "no",
+            *self.extra_args,
         ]
 
     def ready_ports(self) -> list[int]:

@@ -135,7 +135,7 @@ def test_auto_layout_must_be_resolved_first() -> None:
 def test_the_memory_cgroup_limit_bounds_what_l2_may_use(tmp_path: Path) -> None:
     """In a container /proc/meminfo is the node's: the cgroup's limit less its usage is
     what the pools may take, the tightest level on the way up, v2 or v1."""
-    from hicache.tiers.host import cgroup_memory_left
+    from hicache.tiers.sizing import cgroup_memory_left
 
     def files(tree: dict[str, str]) -> None:
         for rel, text in tree.items():

@@ -34,7 +34,7 @@ import pytest
 import redis
 from storage_pages import Pool, keys, storage_config
 
-from hicache.bench.services import RedisServer, find_binary
+from hicache.bench.services import RedisServer
 from hicache.controller.base import MatchRequest
 from hicache.errors import BackendUnavailable
 from hicache.tiers.storage import GetStatus, PutStatus, StorageBackend, build_backend
@@ -49,36 +49,6 @@ REDIS = StorageBackendName.REDIS
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class _FlaggedRedis(RedisServer):
-    """redis-server with more command-line flags (e.g. `--enable-debug-command local`)."""
-
-    def __init__(self, binary: str, *flags: str, port: int | None = None) -> None:
-        super().__init__(binary, port)
-        self.flags = flags
-
-    def argv(self) -> list[str]:
-        return [*super().argv(), *self.flags]
-
-
-@pytest.fixture
-def redis_with() -> Iterator[Callable[..., RedisServer]]:
-    """Private redis-servers with extra flags, stopped (by pid) after the test."""
-    binary = find_binary("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed")
-    started: list[RedisServer] = []
-
-    def make(*flags: str, port: int | None = None) -> RedisServer:
-        server = _FlaggedRedis(binary, *flags, port=port)
-        started.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in started:
-        server.close()
 
 
 def _with_ttl(url: str, ttl_s: int, timeout_s: float = 2.0) -> StorageBackend:
@@ -357,14 +327,14 @@ def test_a_database_index_in_the_url_keeps_objects_there_and_other_apps_keys_alo
 
 
 def test_a_sleeping_server_bounds_every_call_and_no_late_reply_answers_a_later_command(
-    redis_with: Callable[..., RedisServer],
+    redis_factory: Callable[..., RedisServer],
 ) -> None:
     """`DEBUG SLEEP 2` (the server is busy, as with a slow Lua script or a huge KEYS): a
     read in flight gives up within storage.timeout_s, so do calls meanwhile, and once
     the server answers again, the next calls get their own replies: no reply left on a
     connection by the call given up on answers another command (a GET's object read as
     an EXISTS count, or into another key's buffer)."""
-    server = redis_with("--enable-debug-command", "local")
+    server = redis_factory("--enable-debug-command", "local")
     backend = build_backend(storage_config(REDIS, redis_url=server.url, timeout_s=TIMEOUT_S))
     sleeper = redis.Redis.from_url(server.url)
     try:
@@ -457,8 +427,7 @@ def test_client_kill_mid_pipeline_fails_that_call_at_once_and_the_next_goes_thro
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["restarted-empty", "replaced-by-another-server"])
 def test_pages_of_a_redis_the_probe_saw_restarted_empty_are_not_promised(
-    tmp_path: Path, redis_factory: Callable[[], RedisServer],
-    redis_with: Callable[..., RedisServer], how: str,
+    tmp_path: Path, redis_factory: Callable[..., RedisServer], how: str,
 ) -> None:
     """Redis restarted without persistence (or another server put on its port) while the
     controller was idle: no call failed, the breaker never opened. The controller's own
@@ -480,7 +449,7 @@ def test_pages_of_a_redis_the_probe_saw_restarted_empty_are_not_promised(
         if how == "restarted-empty":
             server.start()
         else:  # another server on the port, holding another application's data
-            other = redis_with(port=server.port)
+            other = redis_factory(port=server.port)
             redis.Redis.from_url(other.url).mset({"app:a": b"1", "app:b": b"2"})
         assert not redis.Redis.from_url(server.url).keys("hc2/*")
         assert ctl.l3 is not None

@@ -591,3 +591,19 @@ def test_a_page_sized_canary_writes_an_object_that_size_and_keeps_its_area(tmp_p
         assert _files(tmp_path) == 0
     finally:
         backend.close()
+
+
+def test_health_reports_an_unexpected_error_and_never_raises(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's error of no expected type (junk a client library could not parse) is
+    an unhealthy report naming it, not an exception out of `health`."""
+    backend = _backend(tmp_path)
+    try:
+        def broken() -> tuple[str, int | None, int | None]:
+            raise ValueError("junk from the store")
+
+        monkeypatch.setattr(backend, "_probe", broken)
+        health = backend.health(deep=True)
+        assert not health.healthy and health.detail == "ValueError: junk from the store"
+    finally:
+        backend.close()
