@@ -161,3 +161,12 @@ def load_and_verify(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAGE
         assert oracle.pages_checked > before or reused == 0
     assert oracle.wrong_bytes == 0 and oracle.pages_missing == 0
     return reused
+
+
+def computed_into_l3(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAGE) -> None:
+    """An engine's request for `prompt`: its KV written by `oracle` into the allocation,
+    inserted, then flushed down to L3."""
+    m = c.match(prompt, lock=True, allocate_tokens=len(prompt) // 4)
+    oracle.write(prompt, m.pages, start_page=m.device_tokens // page)
+    c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
+    c.flush(timeout_s=10)

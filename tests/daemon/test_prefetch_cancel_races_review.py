@@ -34,7 +34,7 @@ from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
 from hicache.errors import BackendUnavailable, NotFound
 from hicache.types import ComponentKind, Tier
 
-from .daemonkit import PAGE, Daemon, run_cli, tokens
+from .daemonkit import PAGE, Daemon, computed_into_l3, run_cli, tokens
 from .daemonkit import load_and_verify as client_load_and_verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
@@ -389,13 +389,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Itera
             att = c.attach()
             oracle = KvOracle(att.info, att.pools)
 
-            def put(prompt: bytes) -> None:
-                m = c.match(prompt, lock=True, allocate_tokens=len(prompt) // 4)
-                oracle.write(prompt, m.pages, start_page=m.device_tokens // PAGE)
-                c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
-                c.flush(timeout_s=10)
-
-            yield put
+            yield lambda prompt: computed_into_l3(c, oracle, prompt)
     finally:
         d.close()
 

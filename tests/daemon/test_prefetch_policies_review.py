@@ -30,7 +30,7 @@ from hicache.errors import NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
-from .daemonkit import PAGE, Daemon, load_and_verify, tokens
+from .daemonkit import PAGE, Daemon, computed_into_l3, load_and_verify, tokens
 
 MakeDaemon = Callable[..., Daemon]
 RUNNING, DONE, CANCELLED, TIMED_OUT = (
@@ -82,13 +82,7 @@ def store(writer: Daemon) -> Iterator[Callable[[bytes], None]]:
         att = c.attach()
         oracle = KvOracle(att.info, att.pools)
 
-        def put(prompt: bytes) -> None:
-            m = c.match(prompt, lock=True, allocate_tokens=len(prompt) // 4)
-            oracle.write(prompt, m.pages, start_page=m.device_tokens // PAGE)
-            c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
-            c.flush(timeout_s=10)
-
-        yield put
+        yield lambda prompt: computed_into_l3(c, oracle, prompt)
 
 
 @pytest.fixture(scope="module")
