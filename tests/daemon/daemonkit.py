@@ -170,3 +170,19 @@ def computed_into_l3(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAG
     oracle.write(prompt, m.pages, start_page=m.device_tokens // page)
     c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
     c.flush(timeout_s=10)
+
+
+def stored(store: Callable[[bytes], None], c: Client, pages: int, start: int) -> bytes:
+    """A prompt of `pages` pages that `store` (another daemon's engine: `computed_into_l3`)
+    stored, known to `c`'s daemon as in L3 only."""
+    prompt = tokens(pages * PAGE, start=start)
+    store(prompt)
+    m = c.match(prompt)
+    assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, pages * PAGE)
+    return prompt
+
+
+def pool(c: Client, tier: str) -> tuple[int, int]:
+    """(used_pages, locked_pages) of the single-member pool of `tier` ("device" / "host")."""
+    (p,) = [p for p in c.stats().pools if p.tier == tier]
+    return p.used_pages, p.locked_pages

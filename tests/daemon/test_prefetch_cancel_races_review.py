@@ -34,7 +34,7 @@ from hicache.controller.base import AllocateRequest, MatchRequest, PrefetchState
 from hicache.errors import BackendUnavailable, NotFound
 from hicache.types import ComponentKind, Tier
 
-from .daemonkit import PAGE, Daemon, computed_into_l3, run_cli, tokens
+from .daemonkit import PAGE, Daemon, computed_into_l3, pool, run_cli, stored
 from .daemonkit import load_and_verify as client_load_and_verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
@@ -402,26 +402,11 @@ def wc(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator
     d.close()
 
 
-
-
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         time.sleep(0.03)
-
-
-def pool(c: Client, tier: str) -> tuple[int, int]:
-    (p,) = [p for p in c.stats().pools if p.tier == tier]
-    return p.used_pages, p.locked_pages
-
-
-def stored(store: Callable[[bytes], None], c: Client, pages: int, start: int) -> bytes:
-    prompt = tokens(pages * PAGE, start=start)
-    store(prompt)
-    m = c.match(prompt)
-    assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, pages * PAGE)
-    return prompt
 
 
 def reader(c: Client) -> KvOracle:

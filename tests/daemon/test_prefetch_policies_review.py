@@ -30,7 +30,7 @@ from hicache.errors import NotFound
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
-from .daemonkit import PAGE, Daemon, computed_into_l3, load_and_verify, tokens
+from .daemonkit import PAGE, Daemon, computed_into_l3, load_and_verify, pool, stored, tokens
 
 MakeDaemon = Callable[..., Daemon]
 RUNNING, DONE, CANCELLED, TIMED_OUT = (
@@ -117,17 +117,6 @@ def to(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator
 # --------------------------------------------------------------------------- helpers
 
 
-
-
-def stored(store: Callable[[bytes], None], c: Client, pages: int, start: int) -> bytes:
-    """A prompt the writer stored, known to `c`'s daemon as in L3 only."""
-    prompt = tokens(pages * PAGE, start=start)
-    store(prompt)
-    m = c.match(prompt)
-    assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, pages * PAGE)
-    return prompt
-
-
 def restart(d: Daemon, engine_id: str) -> None:
     """Another process attaches under `engine_id` (another instance id): an engine restart,
     which releases what its predecessor held at once."""
@@ -161,12 +150,6 @@ def wait_state(c: Client, prefetch_id: int, timeout_s: float = 15.0) -> Prefetch
 def idle(c: Client) -> None:
     """Every prefetch's worker finished (its reads returned, its pins and pages let go)."""
     wait_for(lambda: c.stats().counters["prefetches_running"] == 0, 20, "prefetches finished")
-
-
-def pool(c: Client, tier: str) -> tuple[int, int]:
-    """(used_pages, locked_pages) of `tier` ("device" / "host")."""
-    (p,) = [p for p in c.stats().pools if p.tier == tier]
-    return p.used_pages, p.locked_pages
 
 
 def nothing_pinned(c: Client) -> None:
