@@ -162,6 +162,12 @@ class MemberPools(abc.ABC):
         """
 
     @abc.abstractmethod
+    def layer_array(self, member: str, layer: int) -> npt.NDArray[np.uint8]:
+        """The rows of `layer` as a numpy view, for pools in host memory (shared-memory
+        L1, L2): what the CPU copy engine works on, no torch needed. CUDA pools raise
+        `FailedPrecondition`."""
+
+    @abc.abstractmethod
     def check_integrity(self) -> None:
         """Run every allocator's integrity check."""
 

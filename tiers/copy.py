@@ -2,13 +2,15 @@
 
 A copy moves rows ``src[src_ids[i]] -> dst[dst_ids[i]]`` of every layer of every family
 member. Pools never move once created, so the engine views each member of both sides once
-(`hicache.tiers.rows.MemberRows`: per layer the rows widened for torch and numpy and as opaque items, plus all
-layers as one tensor) and reuses the views: a copy costs its byte moves plus a few
+(`hicache.tiers.rows.MemberRows`: per layer the rows widened for numpy and torch and as opaque
+items, plus all layers as one grid) and reuses the views: a copy costs its byte moves plus a few
 microseconds per op.
 
 Small copies (at most `SMALL_COPY_PAGES` pairs, e.g. the write-through of one insert) run
 in the calling thread, one numpy fancy-index op per (member, layer) on opaque row items:
 the rows go through a cache-resident temporary, cheaper than planning for so few bytes.
+Only large copies use torch: pools too small for one (a family's smaller pool of at most
+`SMALL_COPY_PAGES` pages) never import it, so such a daemon starts ~1.5 s sooner here.
 
 Larger copies are planned once per call (`plan_rows`) by how contiguous the ids are:
 
@@ -38,10 +40,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import (
@@ -65,6 +67,9 @@ from hicache.tiers.rows import (
 )
 from hicache.types import ComponentKind
 
+if TYPE_CHECKING:  # imported by the copies that use it (large ones): small ones are numpy
+    import torch
+
 # Target size of one chunk of a large numpy copy. NOTE: measured on 16 KiB rows, chunks of
 # 1 MiB were ~0.6-0.8x a contiguous copy (per-chunk dispatch and GIL hand-offs), 4-8 MiB
 # ~0.9-1.0x; the tail a late thread leaves is at most one chunk.
@@ -86,6 +91,10 @@ class CpuCopyEngine(CopyEngine):
     def __init__(self, device: DevicePools, host: HostPools, threads: int = 2) -> None:
         if device.is_cuda:
             raise InvalidArgument("CpuCopyEngine needs CPU device pools; use CudaCopyEngine")
+        if copies_can_be_large(device, host):
+            # Large copies use torch: imported now, at start (before the daemon freezes
+            # its heap), not by the first of them, which would wait 1.5-3 s for it.
+            import torch  # noqa: F401
         self._device = device
         self._host = host
         self._threads = max(1, threads)
@@ -118,8 +127,8 @@ class CpuCopyEngine(CopyEngine):
         validate_slot_copy(family, self._device, src, dst)
         for spec in self._device.family(family):
             for layer in range(spec.layers):
-                rows = self._device.layer(spec.name, layer)
-                rows[dst].copy_(rows[src])
+                rows = self._device.layer_array(spec.name, layer)
+                rows[dst] = rows[src]
 
     def close(self) -> None:
         self._rows.clear()
@@ -237,6 +246,13 @@ class CpuCopyEngine(CopyEngine):
             return self._pool
 
 
+def copies_can_be_large(device: MemberPools, host: MemberPools) -> bool:
+    """Whether a copy between these pools can move more than `SMALL_COPY_PAGES` pages (a
+    family's smaller pool holds more): only those use torch."""
+    families = {spec.component for spec in device.members}
+    return any(min(device.num_pages(k), host.num_pages(k)) > SMALL_COPY_PAGES for k in families)
+
+
 def _report(
     left: list[int], reported: int, on_layer: LayerCallback | None, errors: list[BaseException]
 ) -> int:
@@ -272,7 +288,7 @@ def _torch_form(
     plan; else numpy jobs do (the threads report each layer as it lands)."""
     if plan.kind is PlanKind.GATHER and not _contiguous_rows(pairs):
         return True
-    stacked = all(src.stacked is not None and dst.stacked is not None for src, dst in pairs)
+    stacked = all(src.grid is not None and dst.grid is not None for src, dst in pairs)
     return plan.kind in (PlanKind.RUNS, PlanKind.GATHER) and on_layer is None and stacked
 
 
@@ -295,6 +311,8 @@ def _torch_copy(
     temporary (0.5-0.9x with cache-sized chunks), and `np.take` into strided rows copies the
     whole destination to a temporary and back (0.2x).
     """
+    import torch
+
     runs = plan.runs
     index = torch.from_numpy(plan.src_ids)
     s, d = plan.src_ids, plan.dst_ids
@@ -311,7 +329,8 @@ def _torch_copy(
 
     per_layer = []
     for src, dst in pairs:
-        if on_layer is None and src.stacked is not None and dst.stacked is not None:
+        if on_layer is None and src.grid is not None and dst.grid is not None:
+            assert src.stacked is not None and dst.stacked is not None
             move(src.stacked, dst.stacked, 1)
         else:
             per_layer.append((src, dst))
@@ -327,6 +346,8 @@ def _same_width(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, tor
     """Both widened rows in one dtype (bytes when their widest dtypes differ)."""
     if src.dtype == dst.dtype:
         return src, dst
+    import torch
+
     return src.view(torch.uint8), dst.view(torch.uint8)
 
 
@@ -354,7 +375,7 @@ def _same_array(
 ) -> tuple[npt.NDArray[np.integer], npt.NDArray[np.integer]]:
     if src.array.dtype == dst.array.dtype:
         return src.array, dst.array
-    return src.tensor.view(torch.uint8).numpy(), dst.tensor.view(torch.uint8).numpy()
+    return src.array.view(np.uint8), dst.array.view(np.uint8)
 
 
 def _job(
@@ -397,8 +418,8 @@ def copy_rows(
     numpy forms split over `pool` (the CUDA engine's host-side rows)."""
     if not plan.runs:
         return
-    src = MemberRows((LayerRows.of(src_rows),), None)
-    dst = MemberRows((LayerRows.of(dst_rows),), None)
+    src = MemberRows((LayerRows.of(src_rows.numpy()),), None)
+    dst = MemberRows((LayerRows.of(dst_rows.numpy()),), None)
     if plan.kind is PlanKind.GATHER and not _contiguous_rows([(src, dst)]):
         _torch_copy(plan, [(src, dst)], 1, None)
         return

@@ -137,6 +137,10 @@ class CudaDevicePools(MemberTable, DevicePools):
         self._require_open()
         return self._tensors[member][layer]
 
+    def layer_array(self, member: str, layer: int) -> npt.NDArray[np.uint8]:
+        self.checked_layer(member, layer)
+        raise FailedPrecondition(f"{member}: L1 pools on cuda:{self._device} have no host view")
+
     def _require_open(self) -> None:
         if not self._tensors:
             raise FailedPrecondition(f"L1 pools on cuda:{self._device} are closed")

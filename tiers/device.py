@@ -24,9 +24,10 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+import numpy.typing as npt
 
 from hicache.config import HicacheConfig, MemberSpec
 from hicache.errors import (
@@ -36,10 +37,14 @@ from hicache.errors import (
     NotFound,
     ResourceExhausted,
 )
+from hicache.tiers.accelerator import cuda_available
 from hicache.tiers.base import DevicePools, PoolDescriptor, PoolKind
 from hicache.tiers.members import MemberTable
 from hicache.tiers.prefault import Prefaulter
 from hicache.types import ComponentKind, L1Device
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a CPU daemon may never need it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -375,9 +380,14 @@ class ShmDevicePools(MemberTable, DevicePools):
         return tuple(seg.path for seg in self._segments.values())
 
     def layer(self, member: str, layer: int) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.layer_array(member, layer))
+
+    def layer_array(self, member: str, layer: int) -> npt.NDArray[np.uint8]:
         self.checked_layer(member, layer)
         self._require_open()
-        return torch.from_numpy(self._arrays[member][layer])
+        return self._arrays[member][layer]
 
     def _require_open(self) -> None:
         if not self._segments:
@@ -428,12 +438,12 @@ def build_device_pools(
     """
     if use_cuda is None:
         wanted = cfg.tiers.l1.device
-        if wanted is L1Device.CUDA and not torch.cuda.is_available():
+        if wanted is L1Device.CUDA and not cuda_available():
             # (a GPU node whose driver or device nodes the service cannot reach would
             # otherwise serve a shared-memory L1 that no engine's GPU kernels can use)
             raise FailedPrecondition("tiers.l1.device=cuda: CUDA is not available to this "
                                      "process (driver, device nodes, CUDA_VISIBLE_DEVICES?)")
-        use_cuda = wanted is L1Device.CUDA or (wanted is L1Device.AUTO and torch.cuda.is_available())
+        use_cuda = wanted is L1Device.CUDA or (wanted is L1Device.AUTO and cuda_available())
     if use_cuda:
         from hicache.tiers.cuda import CudaDevicePools
 
@@ -476,6 +486,8 @@ def attach_device_pools(
         end = (desc.offset_bytes + (desc.layers - 1) * desc.layer_stride_bytes
                + (desc.num_pages - 1) * desc.page_stride_bytes + width)
         seg = _Segment(shm_dir / name, end, create=False)
+        import torch  # (the engine's side: its KV is torch tensors)
+
         flat = torch.from_numpy(np.frombuffer(seg.map, dtype=np.uint8))
         out[desc.member] = tuple(
             flat.as_strided((desc.num_pages, width), (desc.page_stride_bytes, 1), start)

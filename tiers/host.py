@@ -20,13 +20,14 @@ import contextlib
 import errno
 import mmap
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from hicache.config import OS_PAGE, HicacheConfig, MemberSpec
 from hicache.errors import ConfigError, FailedPrecondition, InvalidArgument
+from hicache.tiers.accelerator import cuda_available
 from hicache.tiers.base import HEADER_BYTES, HostPools
 from hicache.tiers.members import MemberTable
 from hicache.tiers.pool import checked_ids
@@ -39,6 +40,9 @@ from hicache.tiers.sizing import (
     slot_bytes,
 )
 from hicache.types import ComponentKind, HostLayout
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: a CPU daemon may never need it
+    import torch
 
 __all__ = [
     "HEADER_BYTES",
@@ -141,6 +145,11 @@ class HostBufferPools(MemberTable, HostPools):
     # Views -----------------------------------------------------------------------
 
     def layer(self, member: str, layer: int) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.layer_array(member, layer))
+
+    def layer_array(self, member: str, layer: int) -> npt.NDArray[np.uint8]:
         spec = self.checked_layer(member, layer)
         n, row = self.num_pages(spec.component), spec.bytes_per_page_per_layer
         region = self._region(spec)
@@ -149,7 +158,7 @@ class HostBufferPools(MemberTable, HostPools):
         else:
             start = HEADER_BYTES + layer * row
             rows = region.reshape(n, self.slot_bytes(spec))[:, start : start + row]
-        return torch.from_numpy(rows)
+        return rows
 
     def buffer_view(self) -> npt.NDArray[np.uint8]:
         """The whole buffer as bytes (every member region, padding included)."""
@@ -232,5 +241,5 @@ def build_host_pools(
     """
     check_host_fit(cfg, available_bytes)
     if pin is None:
-        pin = torch.cuda.is_available()
+        pin = cuda_available()
     return HostBufferPools(cfg.model.members, host_pages(cfg), cfg.host_layout, pin=pin)

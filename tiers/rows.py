@@ -1,27 +1,33 @@
 """How the copy engines see pools and plan row moves (shared by the CPU and CUDA engines).
 
 Pools never move once created, so a member's layers are viewed once (`MemberRows`: per
-layer the rows widened for torch and numpy and as opaque items, plus all layers as one
-tensor). `plan_rows` chooses, per call, how to move rows ``src[src_ids[i]] ->
-dst[dst_ids[i]]`` by how contiguous the ids are; `validate_copy` checks the ids first.
+layer the rows widened for numpy and torch and as opaque items, plus all layers as one
+grid). The views are numpy; their torch tensors are made at their first use (only large
+copies use torch: a CPU daemon whose copies are all small never imports it).
+`plan_rows` chooses, per call, how to move rows ``src[src_ids[i]] -> dst[dst_ids[i]]``
+by how contiguous the ids are; `validate_copy` checks the ids first.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from hicache.arrays import all_of
 from hicache.errors import InvalidArgument
 from hicache.tiers.base import MemberPools, PageIds
 from hicache.tiers.pool import checked_ids, repeated_ids
 from hicache.types import ComponentKind
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_RUN = 16  # average run length (pages) from which run-wise copies beat index ops
 SMALL_COPY_PAGES = 64  # copies of at most this many pairs take the inline path
@@ -77,77 +83,98 @@ def _is_run(ids: npt.NDArray[np.int64]) -> bool:
     return int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or all_of(np.diff(ids) == 1))
 
 
-def widen(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` (uint8, rows in the last dimension) viewed as the widest integer dtype that
-    divides every row, every stride and the address evenly."""
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+_WIDE = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.int16))
+
+
+def widen_array(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.integer]:
+    """`rows` (uint8, rows in the last dimension, each contiguous) viewed as the widest
+    integer dtype that divides every row, every stride and the address evenly."""
+    address = rows.__array_interface__["data"][0]
+    for dtype in _WIDE:
+        size = dtype.itemsize
         if (
             rows.shape[-1] % size == 0
-            and all(stride % size == 0 for stride in rows.stride()[:-1])
-            and rows.storage_offset() % size == 0
-            and rows.data_ptr() % size == 0
+            and all(stride % size == 0 for stride in rows.strides[:-1])
+            and address % size == 0
         ):
             return rows.view(dtype)
     return rows
 
 
-def row_items(rows: torch.Tensor) -> npt.NDArray[np.void]:
+def widen(rows: torch.Tensor) -> torch.Tensor:
+    """`widen_array` for a CPU tensor (the same memory, as a tensor)."""
+    import torch
+
+    return torch.from_numpy(widen_array(rows.numpy()))
+
+
+def row_items(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.void]:
     """`rows` (uint8, 2-D, each row contiguous) as a 1-D numpy array with one opaque item
     per row: the cheapest form for fancy indexing a few rows (one `memmove` per row).
     NOTE: numpy keeps the GIL for a copy of fewer than 500 items, so threads only help on
     wider views (`LayerRows.array`)."""
-    arr = rows.numpy()
-    return arr.view(np.dtype((np.void, arr.shape[1])))[:, 0]
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
 
 
 @dataclass(frozen=True)
 class LayerRows:
-    """One layer of one member pool, viewed once: `tensor` the rows widened (torch ops),
-    `array` the same as numpy (threaded numpy ops), `items` rows as opaque items (small
-    copies)."""
+    """One layer of one member pool, viewed once: `array` the rows widened (threaded
+    numpy ops), `items` rows as opaque items (small copies), `tensor` the widened rows
+    for torch ops (made at its first use)."""
 
-    tensor: torch.Tensor
     array: npt.NDArray[np.integer]
     items: npt.NDArray[np.void]
 
     @classmethod
-    def of(cls, rows: torch.Tensor) -> LayerRows:
-        wide = widen(rows)
-        return cls(wide, wide.numpy(), row_items(rows))
+    def of(cls, rows: npt.NDArray[np.uint8]) -> LayerRows:
+        return cls(widen_array(rows), row_items(rows))
+
+    @functools.cached_property
+    def tensor(self) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.array)
 
 
 @dataclass(frozen=True)
 class MemberRows:
-    """Every layer of one member pool; `stacked` is all of them as one widened tensor
+    """Every layer of one member pool; `grid` is all of them as one widened array
     ``[layers, num_pages, row]`` when the layers lie at equal distances (both L1 and L2
-    layouts do), else None."""
+    layouts do), else None; `stacked` is that grid as a tensor (made at its first use)."""
 
     layers: tuple[LayerRows, ...]
-    stacked: torch.Tensor | None
+    grid: npt.NDArray[np.integer] | None
 
     @classmethod
     def of(cls, pools: MemberPools, member: str, layers: int) -> MemberRows:
-        rows = [pools.layer(member, layer) for layer in range(layers)]
-        return cls(tuple(LayerRows.of(r) for r in rows), _stacked(rows))
+        rows = [pools.layer_array(member, layer) for layer in range(layers)]
+        return cls(tuple(LayerRows.of(r) for r in rows), _grid(rows))
+
+    @functools.cached_property
+    def stacked(self) -> torch.Tensor | None:
+        if self.grid is None:
+            return None
+        import torch
+
+        return torch.from_numpy(self.grid)
 
     def __len__(self) -> int:
         return len(self.layers)
 
 
-def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """`rows` (one uint8 tensor per layer) as one widened ``[layers, pages, row]`` view."""
-    if len(rows) < 2 or any(
-        r.shape != rows[0].shape or r.stride() != rows[0].stride() for r in rows
-    ):
+def _grid(rows: Sequence[npt.NDArray[np.uint8]]) -> npt.NDArray[np.integer] | None:
+    """`rows` (one uint8 array per layer) as one widened ``[layers, pages, row]`` view."""
+    if len(rows) < 2 or any(r.shape != rows[0].shape or r.strides != rows[0].strides for r in rows):
         return None
-    step = rows[1].data_ptr() - rows[0].data_ptr()
-    if step <= 0 or any(b.data_ptr() - a.data_ptr() != step for a, b in itertools.pairwise(rows)):
+    addresses = [r.__array_interface__["data"][0] for r in rows]
+    step = addresses[1] - addresses[0]
+    if step <= 0 or any(b - a != step for a, b in itertools.pairwise(addresses)):
         return None
-    first = rows[0].numpy()
+    first = rows[0]
     grid = np.lib.stride_tricks.as_strided(
         first, (len(rows), *first.shape), (step, *first.strides)
     )
-    return widen(torch.from_numpy(grid))
+    return widen_array(grid)
 
 
 def validate_slot_copy(family: ComponentKind, pools: MemberPools, src: int, dst: int) -> None:

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from hicache.bench.oracle import KvOracle
 from hicache.bench.services import RedisServer
 from hicache.cli import main
 
-from .daemonkit import PAGE, Daemon, free_port, run_cli, tokens
+from .daemonkit import PAGE, Daemon, free_port, load_and_verify, run_cli, tokens
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -34,6 +35,38 @@ def test_sigterm_flushes_exits_0_and_unlinks_shared_memory(make_daemon: MakeDaem
     assert not any(s.exists() for s in segments)
     assert not d.socket.exists()
     assert "flushed" in d.log() and "stopped" in d.log()
+
+
+class TorchlessDaemon(Daemon):
+    """A daemon in which `import torch` fails."""
+
+    def argv(self) -> list[str]:
+        argv = super().argv()
+        at = argv.index("-m")
+        code = ("import runpy, sys; sys.modules['torch'] = None; "
+                "runpy.run_module('hicache.cli', run_name='__main__', alter_sys=True)")
+        return [argv[0], "-c", code, *argv[at + 2 :]]
+
+
+def test_a_cpu_daemon_serves_its_small_copies_without_torch(tmp_path: Path) -> None:
+    """Importing torch is 1.5-3 s of a start: a CPU daemon makes its L1 and L2 views and
+    copies a few pages (write-through to L2, Load back to L1) with numpy alone."""
+    d = TorchlessDaemon(tmp_path).start()
+    try:
+        with d.client() as c:
+            att = c.attach()
+            oracle = KvOracle(att.info, att.pools)
+            prompts = [tokens(4 * PAGE, 1000 * (i + 1)) for i in range(6)]
+            for prompt in prompts:  # 24 pages through an L1 of 16: the first go to L2 only
+                m = c.match(prompt, lock=True, allocate_tokens=len(prompt) // 4)
+                oracle.write(prompt, m.pages, start_page=m.device_tokens // PAGE)
+                c.insert(prompt, lock_id=m.lock_id, allocation_id=m.allocation_id)
+            assert c.match(prompts[0]).host_tokens == 4 * PAGE
+            assert load_and_verify(c, oracle, prompts[0]) == 4 * PAGE
+        assert d.stop(signal.SIGTERM) == 0
+        assert "Traceback" not in d.log() and "torch" not in d.log()
+    finally:
+        d.close()
 
 
 def test_a_started_daemon_freezes_its_startup_heap_out_of_the_collector(daemon: Daemon) -> None:

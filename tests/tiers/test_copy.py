@@ -3,7 +3,11 @@ content oracle, per-layer progress, plan choice, and validation before any byte 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -242,3 +246,36 @@ def test_cuda_family_round_trip(layout: str, pin: bool) -> None:
         engine.close()
         dev.close()
         host.close()
+
+
+_ENGINE_IMPORTS_TORCH = """
+import json, sys
+from hicache.config import build_config
+from hicache.tiers.copy import CpuCopyEngine, copies_can_be_large
+from hicache.tiers.device import ShmDevicePools
+from hicache.tiers.host import build_host_pools
+sys.path.insert(0, {tests!r})
+from tierkit import TINY
+raw = {{**TINY, "tiers": {{**TINY["tiers"], "l1": {{"tokens": {tokens}, "mamba_slots": 4}}}}}}
+cfg = build_config(raw)
+dev = ShmDevicePools.create(cfg, {instance!r})
+host = build_host_pools(cfg, pin=False)
+engine = CpuCopyEngine(dev, host)
+large = copies_can_be_large(dev, host)
+engine.close(); host.close(); dev.close()
+print(json.dumps([large, "torch" in sys.modules]))
+"""
+
+
+@pytest.mark.parametrize(("l1_tokens", "large"), [(64 * 4, False), (65 * 4, True)])
+def test_the_engine_imports_torch_at_start_only_where_a_copy_can_be_large(
+    l1_tokens: int, large: bool, instance: str
+) -> None:
+    """Only copies of more than `SMALL_COPY_PAGES` pages use torch: pools that small make
+    none and never import it (a start ~1.5 s sooner); larger ones import it with the
+    engine, so that no copy waits for the import."""
+    code = _ENGINE_IMPORTS_TORCH.format(tests=str(Path(__file__).parent), tokens=l1_tokens,
+                                        instance=instance)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert json.loads(out.stdout) == [large, large]
