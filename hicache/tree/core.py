@@ -173,6 +173,7 @@ class HiRadixTree:
         self._queues = [
             [self._make_queue(tier, comp) for comp in self.components] for tier in range(PAGED_TIERS)
         ]
+        self._queue_bits = [(q.bit, q) for tier_queues in self._queues for q in tier_queues]
         # Per tier, parents whose FULL children changed there since the last eviction: the
         # window walks of `_offer_windows` they owe, run (once per parent) when an eviction
         # next needs the queues. An insert then costs one append, not a walk per new node.
@@ -605,6 +606,8 @@ class HiRadixTree:
                 after = before + delta
                 assert after >= 0, f"lock underflow at {node}"
                 lk[ci] = after
+                if node.lparked and not after:
+                    self._reoffer(node)
                 mask = node.mask[ci]
                 if mask and not (before and after):
                     if mask & 1:
@@ -627,6 +630,8 @@ class HiRadixTree:
             after = before + delta
             lk[FULL_INDEX] = after
             if not (before and after):
+                if node.lparked and not after:
+                    self._reoffer(node)
                 n = node.npages * delta
                 mask = node.mask
                 for ci in indices:
@@ -645,6 +650,13 @@ class HiRadixTree:
                     if m & 4:
                         locked[2][ci] += n
             node = node.parent
+
+    def _reoffer(self, node: Node) -> None:
+        """`node` is unlocked: offer it again to the queues it left while locked."""
+        bits, node.lparked = node.lparked, 0
+        for bit, queue in self._queue_bits:
+            if bits & bit:
+                queue.offer(node)
 
     # ------------------------------------------------------------------ insert
 
@@ -1075,7 +1087,7 @@ class HiRadixTree:
             if node.mask[comp.index]:
                 raise AssertionError(f"deleting {node} with resident {comp.kind.value} data")
         del parent.children[node.key[: self._pb]]
-        node.qmask = 0
+        node.qmask = node.lparked = 0
         # Sessions that ended here end at the deepest live node of their path now: its
         # path references are theirs already; its point slots (a checkpoint) gain theirs.
         for session_id, session in self._sessions.ended_at(node):
@@ -1303,14 +1315,20 @@ class HiRadixTree:
             self._drop(target, comp, tier, freed)
             evicted += before - self._resident[tier][comp.index]
             victims += 1
-        if len(queue) > 4 * (self._resident[tier][comp.index] + 64):
-            queue.compact()
+        self._bound_queue(tier, comp.index)
         return EvictResult(
             evicted_pages=evicted,
             freed={k: _cat(v) for k, v in freed.items()},
             victims=victims,
             stranded=tuple(stranded),
         )
+
+    def _bound_queue(self, tier: int, ci: int) -> None:
+        """Drop the stale entries of a queue grown past 4x what its tier holds (forced
+        offers add entries; only a compaction removes the stale ones)."""
+        queue = self._queues[tier][ci]
+        if len(queue) > 4 * (self._resident[tier][ci] + 64):
+            queue.compact()
 
     def _victim(self, node: Node, comp: Component, tier: int) -> Victim:
         comps = [comp] if comp.index != FULL_INDEX else self.components
@@ -1381,6 +1399,13 @@ class HiRadixTree:
             if delta < 0:
                 for tier in range(PAGED_TIERS):
                     self._queues[tier][comp.index].offer(end, force=True)
+        if delta < 0:
+            # A queue whose tier never evicts (a large one, MAMBA's) is compacted here:
+            # every session's turn or close re-queues its old path (sessions churning
+            # over 20 nodes left 8,420 entries after 4,200 closes, growing).
+            for tier in range(PAGED_TIERS):
+                for comp in self.components:
+                    self._bound_queue(tier, comp.index)
 
     def close_session(self, session_id: str) -> int:
         """Drop the session's references (not its data); returns how many pages deep the

@@ -15,8 +15,11 @@ queue. Inserts offer several slots per new node (and their parents), most of whi
 being candidates (a leaf gets a child) before any eviction runs; those cost one append.
 
 Locks are checked at pop time, not tracked by the queue: a locked candidate popped during
-an eviction is parked and goes back into the heap at the next eviction. So unlocking,
-which happens on every node of every request's path, costs the queues nothing.
+an eviction leaves the queue (its bit moves from `Node.qmask` to `Node.lparked`) and the
+tree offers it again when its lock count drops to 0. So unlocking, which happens on every
+node of every request's path, costs the queues one test of a node whose count drops to 0;
+and an eviction does not pop again every candidate that held locks keep (kept in the heap,
+each eviction popped them all: O(held locks) each, under the controller's mutex).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class EvictionQueue:
         return len(self._heap) + len(self._pending) + len(self._parked)
 
     def unpark(self) -> None:
-        """Put the candidates that were locked at the last eviction back in the heap,
-        with the slots offered since."""
+        """Put the candidates an eviction kept for later (`park`) back in the heap, with
+        the slots offered since."""
         parked, self._parked = self._parked, []
         self._pending.extend(parked)
         self._drain()
@@ -108,8 +111,9 @@ class EvictionQueue:
             if not self._is_candidate(node):
                 node.qmask &= ~self._bit
                 continue
-            if self._is_locked(node):
-                self._parked.append(node)  # still queued: back in at the next eviction
+            if self._is_locked(node):  # out until its unlock offers it again
+                node.qmask &= ~self._bit
+                node.lparked |= self._bit
                 continue
             now = self._rank(node)
             if now != rank:

@@ -122,6 +122,7 @@ def check_tree(tree: HiRadixTree) -> None:
                 for tier in range(PAGED_TIERS):
                     if comp.candidate_test(tier, tier in t.backed_up_tiers)(node) and comp.retained_pages(node, tier) < t._slot_len(node, comp, tier):
                         bit = 1 << (tier * ncomp + ci)
-                        assert node.qmask & bit, f"{where}: evictable {comp.kind.value}/{tier} not queued"
+                        parked = node.lparked & bit and node.lock[t._lock_idx[ci]]  # (offered at unlock)
+                        assert node.qmask & bit or parked, f"{where}: evictable {comp.kind.value}/{tier} not queued"
     assert resident == t._resident, f"resident counters {t._resident} != {resident}"
     assert locked == t._locked, f"locked counters {t._locked} != {locked}"

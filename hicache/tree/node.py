@@ -26,6 +26,9 @@ class Node:
                                     PARTIAL when the paged slot is only the node's tail
       lock[ci]                      lock references (a locked slot is never evicted)
       sref[ci]                      session references (reorder eviction, never pin)
+    `qmask` has a bit per eviction queue (tier, component) the slot is queued in; `lparked`
+    one per queue it left because it was locked when popped: offered to them again when
+    its lock count drops to 0.
     `stored_at`: when the FULL slot was last recorded in STORAGE or renewed there (a store
     whose objects expire, Redis's `ttl_s`: a record that old may name expired objects).
     `nres[tier]` counts children whose FULL slot is resident in DEVICE/HOST: a FULL slot is
@@ -40,6 +43,7 @@ class Node:
         "key",
         "last_access",
         "lock",
+        "lparked",
         "mask",
         "npages",
         "nres",
@@ -67,6 +71,7 @@ class Node:
         self.hits = 0
         self.last_access = 0
         self.qmask = 0
+        self.lparked = 0
         self.stored_at = 0.0  # (time.monotonic) FULL last recorded in, or renewed in, STORAGE
 
     def __repr__(self) -> str:

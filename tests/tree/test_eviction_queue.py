@@ -52,7 +52,9 @@ def test_a_slot_that_is_no_candidate_when_drained_is_unmarked_and_can_come_back(
     assert q.pop() is a
 
 
-def test_locked_candidates_are_parked_and_return_at_the_next_eviction() -> None:
+def test_a_locked_candidate_leaves_the_queue_until_its_unlock_offers_it_again() -> None:
+    """Kept queued, every eviction popped every locked candidate again (O(held locks)
+    each): it leaves the queue instead, marked in `lparked` for the tree's unlock."""
     a, b = _nodes(2)
     a.last_access, b.last_access = 1, 2
     q = _queue({id(a), id(b)})
@@ -60,9 +62,11 @@ def test_locked_candidates_are_parked_and_return_at_the_next_eviction() -> None:
     q.offer(b)
     a.lock[0] = 1
     assert q.pop() is b
-    assert q.pop() is None
+    assert (a.qmask & q.bit, a.lparked & q.bit) == (0, q.bit)
+    q.unpark()  # (the next eviction)
+    assert q.pop() is None and len(q) == 0
     a.lock[0] = 0
-    q.unpark()
+    q.offer(a)  # what the tree's unlock does for a node with `lparked` bits
     assert q.pop() is a
 
 
