@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import stat
 import sys
 from collections.abc import MutableMapping, Sequence
 from typing import Any
@@ -132,12 +133,29 @@ def _serve_overrides(args: argparse.Namespace) -> list[str]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, _serve_overrides(args))
+    _warn_readable_secrets(args.config, cfg)
     from hicache import allocator
     from hicache.server import serve
 
     # The daemon's process: large page-id arrays from the heap (see hicache.allocator).
     allocator.tune()
     return serve(cfg)
+
+
+def _warn_readable_secrets(config_path: str | None, cfg: HicacheConfig) -> None:
+    """Say so (as sshd does of a loose key) when the file holding the tokens, or the TLS
+    key, is readable by every local user: anyone could then use any tenant's token."""
+    secrets = [(cfg.server.tls_key, "is server.tls_key")]
+    if cfg.server.tokens:
+        secrets.append((config_path, "holds server.tokens"))
+    for path, what in secrets:
+        try:
+            mode = os.stat(path).st_mode if path else 0
+        except OSError:
+            continue  # (the start names a TLS key it cannot read)
+        if mode & stat.S_IROTH:
+            log.warning("%s %s and is readable by every local user (mode %o): `chmod o-r` it",
+                        path, what, stat.S_IMODE(mode))
 
 
 def _cmd_health(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicache.dirs import make_dirs
 from hicache.errors import FailedPrecondition, InvalidArgument
 
 UNIX_PREFIX = "unix://"
@@ -125,13 +126,23 @@ class SocketLock:
         """Take the lock and clear a stale socket file; `FailedPrecondition` when another
         live daemon holds it or the path is something other than a socket."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            make_dirs(self.path.parent)
+            # Never through a link (anyone may plant one in /tmp: the pid written below
+            # would overwrite what it points at), and only our own plain file.
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644)
         except OSError as e:
             raise FailedPrecondition(
                 f"server.listen=unix://{self.path}: cannot create the socket there "
-                f"({e.strerror}: {e.filename})"
+                f"({e.strerror}: {e.filename or self.lock_path})"
             ) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            os.close(fd)
+            raise FailedPrecondition(
+                f"{self.lock_path} is not a plain file of this user (uid {st.st_uid}, "
+                f"{st.st_nlink} links): refusing to use it as the socket's lock; remove it"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hicache.config import FileStorageConfig, GiB
+from hicache.dirs import GROUP_DIR_MODE, GROUP_FILE_MODE, make_dirs
 from hicache.errors import BackendUnavailable, ObjectCorrupt
 from hicache.keys import CANARY_PREFIX
 from hicache.logthrottle import ThrottledLog
@@ -90,6 +91,7 @@ _CLOCK_MARGIN_S = 2.0
 
 _PID = re.compile(r"[0-9]+")  # (ASCII digits: `isdigit` takes '²', which int() refuses)
 _DIGEST = re.compile(r"[0-9a-f]{32}")  # an object's name: its key's digest, in hex
+_HOST = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a temp name's host field (`_host_tag`)
 
 
 def _writer_gone(pid: int, mtime: float) -> bool:
@@ -140,9 +142,25 @@ class FileBackend(StorageBackend):
 
     def start(self) -> None:
         try:
-            os.makedirs(self.root, exist_ok=True)
+            make_dirs(self.root, GROUP_DIR_MODE)
+            st = os.stat(self.root)
         except OSError as e:
             raise _unavailable(self.root, e) from None
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            # Anyone could replace the objects there with KV every tenant's engine would
+            # load (an object's checksum is no signature).
+            raise BackendUnavailable(
+                f"file: {self.root} is writable by every local user (mode {mode:o}): "
+                "refusing to keep KV there; `chmod o-w` it or choose another "
+                "storage.file.path")
+        if st.st_mode & stat.S_IWOTH:  # sticky (a tmpfs mount's root): ours stay ours
+            log.warning("file: %s is writable by every local user (mode %o): anyone can make "
+                        "its fan-out folders before the daemon does, and then replace the "
+                        "objects in them; `chmod o-w` it", self.root, mode)
+        if st.st_uid not in (0, os.geteuid()):
+            log.warning("file: %s belongs to uid %d, not this daemon's %d: its owner can "
+                        "replace the KV it holds", self.root, st.st_uid, os.geteuid())
         fstype = fs_type_of(self.root)
         shared = is_shared_fs(fstype)
         self.threads = FileThreads.resolve(self._configured_threads, shared)
@@ -207,8 +225,10 @@ class FileBackend(StorageBackend):
             for name in names:
                 path = os.path.join(folder, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                     if name.endswith(TEMP_SUFFIX):
+                        if not self._temp_of_ours(folder, name, st):
+                            continue  # (removed only where this code writes, as it names it)
                         if now - st.st_mtime > STALE_TEMP_S or self._dead_writers_temp(name, st.st_mtime):
                             self._remove_temp(path)  # left by a writer that died
                     elif name.endswith(SUFFIX):
@@ -247,6 +267,18 @@ class FileBackend(StorageBackend):
                 raise
             _bad_path.warning(self.root, "file: cannot remove the stale temp file %s (%s)",
                               path, e.strerror)
+
+    def _temp_of_ours(self, folder: str, name: str, st: os.stat_result) -> bool:
+        """Whether `name` in `folder` is a temp file as this code writes them: a plain file
+        named `<object>.<host>.<pid>.<thread>.tmp` beside where its object goes. Any other
+        `*.tmp` (a store on a shared folder, a link) is not the daemon's to remove."""
+        parts = name[: -len(TEMP_SUFFIX)].rsplit(".", 3)
+        if len(parts) != 4 or not stat.S_ISREG(st.st_mode) or not parts[0].endswith(SUFFIX):
+            return False
+        h = parts[0][: -len(SUFFIX)]
+        return (_DIGEST.fullmatch(h) is not None and _HOST.fullmatch(parts[1]) is not None
+                and _PID.fullmatch(parts[2]) is not None and _PID.fullmatch(parts[3]) is not None
+                and os.path.join(folder, parts[0]) == self._path(h))
 
     def _dead_writers_temp(self, name: str, mtime: float) -> bool:
         """Whether temp file `name` (written at `mtime`) is this host's and its writer
@@ -504,7 +536,7 @@ class FileBackend(StorageBackend):
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         for attempt in range(FOLDER_ATTEMPTS):
             try:
-                fd = os.open(tmp, flags, 0o644)
+                fd = os.open(tmp, flags, GROUP_FILE_MODE)
                 break
             except FileNotFoundError:
                 if attempt == FOLDER_ATTEMPTS - 1:
@@ -514,7 +546,7 @@ class FileBackend(StorageBackend):
             # notices folders that go (`_forget_removed_folders`). Made again when it went
             # meanwhile (a canary's removal takes its folders when they are empty).
             folder = os.path.dirname(tmp)
-            os.makedirs(folder, exist_ok=True)
+            make_dirs(folder, GROUP_DIR_MODE, GROUP_DIR_MODE)
             with self._lock:
                 self._folders.add(os.path.basename(os.path.dirname(folder)))
         try:
@@ -562,7 +594,7 @@ class FileBackend(StorageBackend):
                 # Removed under the daemon (by hand, a cleanup job): what it held is gone.
                 # Made again here, as `start` did: an idle daemon gets no write that would
                 # (and with the breaker open, none would reach the backend).
-                os.makedirs(self.root, exist_ok=True)
+                make_dirs(self.root, GROUP_DIR_MODE)
                 with self._lock:
                     self._lru.clear()
                     self._used = 0

@@ -932,7 +932,9 @@ def test_file_start_over_junk_left_in_the_store_folder(tmp_path: os.PathLike[str
         os.symlink("loop.kv", path)
     else:
         pid = "9" * 30 if junk == "pid-too-large" else "\u00b2\u00b3"  # (str.isdigit() is True)
-        path = os.path.join(root, f"ab.kv.{_host_tag()}.{pid}.1.tmp")
+        h = "0123456789abcdef" * 2  # (where this code writes an object's temp file)
+        os.makedirs(os.path.join(root, h[:2], h[2:4]))
+        path = os.path.join(root, h[:2], h[2:4], f"{h}.kv.{_host_tag()}.{pid}.1.tmp")
         with open(path, "wb"):
             pass
     backend = _file_backend(tmp_path)

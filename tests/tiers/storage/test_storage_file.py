@@ -607,3 +607,43 @@ def test_health_reports_an_unexpected_error_and_never_raises(
         assert not health.healthy and health.detail == "ValueError: junk from the store"
     finally:
         backend.close()
+
+
+def test_a_root_every_local_user_may_write_is_refused_unless_sticky(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone could replace the objects of a world-writable root (their checksum is no
+    signature): refused, naming the mode. A sticky one (a tmpfs mount's root, 1777) keeps
+    each file its owner's: used, with a warning (others may make its folders first)."""
+    root = tmp_path / "store"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    loose = FileBackend(FileStorageConfig(path=str(root)), timeout_s=2.0)
+    with pytest.raises(BackendUnavailable, match=r"writable by every local user \(mode 777\)"):
+        loose.start()
+    loose.close()
+    os.chmod(root, 0o1777)
+    sticky = _backend(root)
+    try:
+        assert any(str(root) in r.getMessage() and "writable by every local user" in r.getMessage()
+                   for r in caplog.records if r.levelname == "WARNING")
+        assert sticky.put_from(["k"], Pool(1).slots()) == [PutStatus.STORED]
+    finally:
+        sticky.close()
+
+
+def test_what_the_store_makes_has_no_bits_for_other_users_whatever_the_umask(tmp_path: Path) -> None:
+    root = tmp_path / "a" / "store"
+    old = os.umask(0)
+    try:
+        backend = _backend(root)
+        try:
+            assert backend.put_from(["k"], Pool(1).slots()) == [PutStatus.STORED]
+        finally:
+            backend.close()
+    finally:
+        os.umask(old)
+    made = [root.parent, root, *root.rglob("*")]
+    assert oct(os.stat(root.parent).st_mode & 0o777) == oct(0o755)  # (above the store)
+    assert all(os.stat(p).st_mode & 0o007 == 0 for p in made[1:]), [
+        (str(p), oct(os.stat(p).st_mode)) for p in made]
