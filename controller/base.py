@@ -297,9 +297,10 @@ class CacheService(abc.ABC):
         not write (L3 down, or its deadline passed)."""
 
     @abc.abstractmethod
-    def expire_leases(self) -> int:
+    def expire_leases(self, stalled_s: float = 0.0) -> int:
         """Release everything held by engines whose lease lapsed; returns engines expired.
-        The daemon calls it periodically."""
+        The daemon calls it periodically; `stalled_s`: time it found it did not run since
+        the last call, which no lease counts (no engine could renew then)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -229,8 +229,12 @@ class HybridCacheController(CacheService):
             self._engines.renew(engine_id)
             return HeartbeatInfo(self.cfg.server.lease_ms, len(engine.locks), len(engine.allocations))
 
-    def expire_leases(self) -> int:
+    def expire_leases(self, stalled_s: float = 0.0) -> int:
         with self._mu:
+            if stalled_s > 0:
+                self._engines.extend_leases(stalled_s)
+                log.warning("the daemon did not run for %.1f s (stopped, paused, swapped "
+                            "out?): every lease is extended by that", stalled_s)
             gone = self._engines.lapsed()
             for engine in gone:
                 locks, allocs = self._release_engine(engine)

@@ -217,6 +217,11 @@ class EngineRegistry:
 
     # leases --------------------------------------------------------------------------
 
+    def extend_leases(self, seconds: float) -> None:
+        """Every lease runs `seconds` longer (time in which no engine could renew)."""
+        for engine in self._engines.values():
+            engine.expires_at += seconds
+
     def lapsed(self) -> list[Engine]:
         """Engines whose lease ran out, removed from the registry (their handles are the
         caller's to release)."""

@@ -126,6 +126,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 Tokens = bytes | bytearray | memoryview | np.ndarray | Iterable[int]
 T = TypeVar("T")
 FLUSH_SLACK_S = 5.0  # a Flush call waits its flush's timeout and this much for the answer
+MAX_TIMEOUT_S = 1e8  # a call's deadline (~3 years): gRPC fails any past ~7e9 s at once
 # A call that makes locks or allocations is given this much more than the caller waits:
 # a reply that comes in that time after the caller gave up has its handles released
 # (before the next heartbeat), rather than held for the engine's life.
@@ -216,7 +217,12 @@ class Client:
         # to release what it made (`_settling`). On a unix socket the daemon's own margin
         # covers the way back, and the plain call is ~50 us cheaper.
         self._settle_late = not endpoint.is_unix
-        self.timeout_s = timeout_s
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s <= MAX_TIMEOUT_S):
+            # (gRPC fails every call at once, as a daemon that never answers, for an
+            # infinite, NaN, negative or past-7e9 s deadline)
+            raise InvalidArgument(f"timeout_s: {timeout_s!r} must be seconds in (0, "
+                                  f"{MAX_TIMEOUT_S:.0f}]")
+        self.timeout_s = float(timeout_s)
         self.retries = retries
         self.on_detached = on_detached
         self.detached: HicacheError | None = None
@@ -408,14 +414,21 @@ class Client:
         self._channel.close()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Block until the channel connects; `Unavailable` when it does not in time."""
+        """Block until the channel connects (`math.inf`: however long it takes);
+        `Unavailable` when it does not in time."""
         self._check_open()
+        if not (isinstance(timeout_s, int | float) and timeout_s >= 0):  # (NaN too)
+            raise InvalidArgument(f"timeout_s: {timeout_s!r} must be seconds >= 0")
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            # (a timeout past the platform's time_t raised OverflowError from gRPC)
+            ready.result(timeout=None if timeout_s >= MAX_TIMEOUT_S else timeout_s)
         except grpc.FutureTimeoutError:
             if self._closed:  # (closed while waiting)
                 raise self._closed_error() from None
             raise Unavailable(f"daemon not reachable within {timeout_s} s") from None
+        finally:
+            ready.cancel()  # (its polling thread stops)
 
     # ------------------------------------------------------------------ engine lifecycle
 

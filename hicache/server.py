@@ -161,6 +161,8 @@ class Daemon:
         self.health = HealthServicer()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lease_period_s = cfg.server.lease_ms / 3e3  # (the client heartbeats as often)
+        self._last_lease_sweep = time.monotonic()
         options = [
             ("grpc.max_receive_message_length", cfg.max_request_bytes),
             # A reply lists page ids of every member (at page size 1 it outgrows the
@@ -214,8 +216,7 @@ class Daemon:
                 f"metrics.port={self.cfg.metrics.port}: cannot serve metrics there ({e.strerror}; "
                 "another daemon on this node? give each its own port, or 0 to turn them off)"
             ) from None
-        lease_s = self.cfg.server.lease_ms / 3e3
-        self._every("leases", lease_s, self.core.expire_leases)
+        self._every("leases", self._lease_period_s, self._sweep_leases)
         self._every("health", HEALTH_REFRESH_S, self._refresh_health)
 
     def _bind(self) -> None:
@@ -242,6 +243,16 @@ class Daemon:
                 f"server.listen={self.endpoint.address}: cannot listen there (in use? for TLS: "
                 "do server.tls_cert and tls_key hold a matching PEM certificate and key?)"
             )
+
+    def _sweep_leases(self) -> None:
+        """Expire lapsed leases, not counting time this process did not run: a sweep
+        more than a period late means it was stopped (SIGSTOP, a paused VM, swapped out),
+        and the engines could not renew meanwhile (a 4.5 s stop dropped every live
+        engine's locks and allocations, whose KV they went on writing)."""
+        now = time.monotonic()
+        stalled = now - self._last_lease_sweep - 2 * self._lease_period_s
+        self._last_lease_sweep = now
+        self.core.expire_leases(stalled_s=max(0.0, stalled))
 
     def _refresh_health(self) -> None:
         if self._stop.is_set():

@@ -32,8 +32,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import socket
+import threading
 import time
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +55,7 @@ INVALID_PARAMS = -600
 # Codes that mean the master (or the transport to it) is gone, not a per-key problem.
 UNREACHABLE = frozenset({-900, -901, -1010})
 PROBE_KEY = "hicache-probe/does-not-exist"
+UNREADABLE_KEYS = 65536  # keys remembered as listed but unreadable (`_unreadable`)
 _char_at = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
@@ -70,6 +73,12 @@ class MooncakeBackend(StorageBackend):
         self.cfg = cfg
         self._store: Any = None
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
+        # Keys the master lists but whose read failed: an object in a dead client's
+        # segment (a daemon killed, for the master's client_ttl after) answers "exists"
+        # to a put, which then stored nothing; the master drops it later, and the page
+        # was lost though counted stored. A put replaces such a key instead.
+        self._unreadable: OrderedDict[str, None] = OrderedDict()
+        self._unreadable_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -247,6 +256,10 @@ class MooncakeBackend(StorageBackend):
             else:
                 if code != OBJECT_NOT_FOUND:
                     log.debug("mooncake: get %s returned %d; a miss", key, code)
+                    with self._unreadable_lock:
+                        self._unreadable[key] = None
+                        if len(self._unreadable) > UNREADABLE_KEYS:
+                            self._unreadable.popitem(last=False)
                 out.append(MISSING)
         return out
 
@@ -279,6 +292,8 @@ class MooncakeBackend(StorageBackend):
     def _put_missing(
         self, keys: Sequence[str], addrs: list[int], sizes: list[int], present: list[bool]
     ) -> list[PutStatus]:
+        if self._unreadable:
+            present = self._replace_unreadable(keys, present)
         todo = [i for i, p in enumerate(present) if not p]
         out = [PutStatus.PRESENT] * len(keys)
         if not todo:
@@ -298,6 +313,25 @@ class MooncakeBackend(StorageBackend):
             else:
                 self._warn.warning(f"put-{code}", "mooncake: put %s returned %d", keys[i], code)
                 out[i] = PutStatus.FAILED
+        return out
+
+    def _replace_unreadable(self, keys: Sequence[str], present: list[bool]) -> list[bool]:
+        """`present` with the keys whose last read failed removed from the store (forced:
+        their holder may be dead), to be put again."""
+        with self._unreadable_lock:
+            stale = [i for i, p in enumerate(present) if p and keys[i] in self._unreadable]
+            for i in stale:
+                del self._unreadable[keys[i]]
+        if not stale:
+            return present
+        codes = self._caller.call(self.store.batch_remove, [keys[i] for i in stale], True)
+        _raise_if_unreachable("batch_remove", codes)
+        out = list(present)
+        for i, code in zip(stale, codes, strict=True):
+            if code == 0 or code == OBJECT_NOT_FOUND:
+                out[i] = False
+        log.info("mooncake: %d listed objects this daemon could not read are written again",
+                 sum(1 for i in stale if not out[i]))
         return out
 
     def _remove(self, keys: Sequence[str]) -> int:

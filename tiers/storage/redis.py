@@ -58,6 +58,7 @@ def _count(reply: object) -> int:
 # Never stored: asking for it tells if GETEX exists (under the page keys' prefix, which an
 # ACL user of the daemon may be limited to).
 GETEX_PROBE_KEY = f"{CANARY_PREFIX}getex-probe"
+CANARY_TTL_S = 60  # a deep check's canary key expires this long after its write
 
 
 class RedisBackend(StorageBackend):
@@ -234,6 +235,8 @@ class RedisBackend(StorageBackend):
     def _write_sync(self, keys: Sequence[str], buffers: Sequence[np.ndarray]) -> list[PutStatus]:
         out: list[PutStatus] = []
         ttl = self.cfg.ttl_s
+        if len(keys) == 1 and keys[0].startswith(CANARY_PREFIX):
+            ttl = CANARY_TTL_S  # (one a daemon killed mid-check never removes goes by itself)
         try:
             for lo in self._batches(len(keys)):
                 pipe = self.client.pipeline(transaction=False)
