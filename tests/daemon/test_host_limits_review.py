@@ -252,8 +252,8 @@ def test_a_tier_over_the_address_space_limit_is_a_clear_refusal(tmp_path: Path, 
     if _mem_available() < 6 * GiB:
         pytest.skip("needs 6 GiB of available memory")
     sock = tmp_path / f"{tier}.sock"
-    if tier == "l1":  # 1 GiB of L1 (reserved in /dev/shm, then mapped) under 1.5 GiB
-        limit, sets = 1536 * MiB, ("tiers.l1.tokens=1048576", "tiers.l2.ratio=1.01")
+    if tier == "l1":  # 1.5 GiB of L1 (reserved in /dev/shm, then mapped) under 1.5 GiB
+        limit, sets = 1536 * MiB, ("tiers.l1.tokens=1572864", "tiers.l2.ratio=1.01")
     else:  # 4 GiB of L2 under 3 GiB
         limit, sets = 3 * GiB, ("tiers.l1.tokens=4096", "tiers.l2.size_gb=4")
     proc = subprocess.run(["prlimit", f"--as={limit}", *serve_argv(sock, *sets)],

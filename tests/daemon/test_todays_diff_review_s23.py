@@ -156,17 +156,17 @@ def test_canary_folder_removal_never_fails_a_concurrent_write(tmp_path: Any,
         canary = _canary_sharing_folder(key)
         folder = os.path.dirname(backend.path_of(key))
         assert folder == os.path.dirname(backend.path_of(canary))
-        real_makedirs = os.makedirs
+        real_make_dirs = file_mod.make_dirs
         fired: list[int] = []
 
-        def makedirs(path: Any, *a: Any, **kw: Any) -> None:
-            real_makedirs(path, *a, **kw)
+        def make_dirs(path: Any, *a: Any, **kw: Any) -> None:
+            real_make_dirs(path, *a, **kw)
             if os.fspath(path) == folder and not fired:
                 fired.append(backend.delete([canary]))  # the health check's delete
 
-        monkeypatch.setattr(file_mod.os, "makedirs", makedirs)
+        monkeypatch.setattr(file_mod, "make_dirs", make_dirs)
         statuses = backend.put_from([key], _pages(1))
-        monkeypatch.setattr(file_mod.os, "makedirs", real_makedirs)
+        monkeypatch.setattr(file_mod, "make_dirs", real_make_dirs)
         assert fired == [0]
         assert statuses == [PutStatus.STORED], statuses
     finally:

@@ -25,6 +25,9 @@ Return codes of the client, measured here (0.3.13.post1, TCP, master on loopback
 - Master restarted on the same port: the client reconnects by itself within ~1 s (the first
   put may return -200 NO_AVAILABLE_HANDLE before its segment is mounted again); objects
   held only in the old master's metadata are gone.
+- A client killed (a daemon's crash): the master lists its objects until its `client_ttl`
+  (10 s by default) lapses; `batch_is_exist` says 1, reads return -800 TRANSFER_FAIL, and a
+  put of the key stores nothing (see `_dead_held`). A read racing a delete returns -703.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 INVALID_PARAMS = -600
+TRANSFER_FAIL = -800  # (a read of an object whose holder is gone)
 # Codes that mean the master (or the transport to it) is gone, not a per-key problem.
 UNREACHABLE = frozenset({-900, -901, -1010})
 PROBE_KEY = "hicache-probe/does-not-exist"
@@ -73,10 +77,10 @@ class MooncakeBackend(StorageBackend):
         self.cfg = cfg
         self._store: Any = None
         self._regions: list[tuple[int, int]] = []  # registered [start, end)
-        # Keys the master lists but whose read failed: an object in a dead client's
-        # segment (a daemon killed, for the master's client_ttl after) answers "exists"
-        # to a put, which then stored nothing; the master drops it later, and the page
-        # was lost though counted stored. A put replaces such a key instead.
+        # Keys the master lists but whose read failed in transfer: an object in a dead
+        # client's segment (a daemon killed, for the master's client_ttl after) answers
+        # "exists" to a put, which then stored nothing; the master drops it later, and
+        # the page was lost though counted stored. A put replaces such a key (`_dead_held`).
         self._unreadable: OrderedDict[str, None] = OrderedDict()
         self._unreadable_lock = threading.Lock()
 
@@ -256,6 +260,7 @@ class MooncakeBackend(StorageBackend):
             else:
                 if code != OBJECT_NOT_FOUND:
                     log.debug("mooncake: get %s returned %d; a miss", key, code)
+                if code == TRANSFER_FAIL:
                     with self._unreadable_lock:
                         self._unreadable[key] = None
                         if len(self._unreadable) > UNREADABLE_KEYS:
@@ -293,7 +298,7 @@ class MooncakeBackend(StorageBackend):
         self, keys: Sequence[str], addrs: list[int], sizes: list[int], present: list[bool]
     ) -> list[PutStatus]:
         if self._unreadable:
-            present = self._replace_unreadable(keys, present)
+            present = self._dead_held(keys, present)
         todo = [i for i, p in enumerate(present) if not p]
         out = [PutStatus.PRESENT] * len(keys)
         if not todo:
@@ -315,23 +320,26 @@ class MooncakeBackend(StorageBackend):
                 out[i] = PutStatus.FAILED
         return out
 
-    def _replace_unreadable(self, keys: Sequence[str], present: list[bool]) -> list[bool]:
-        """`present` with the keys whose last read failed removed from the store (forced:
-        their holder may be dead), to be put again."""
+    def _dead_held(self, keys: Sequence[str], present: list[bool]) -> list[bool]:
+        """`present`, less the keys whose object a dead client holds: listed, their last
+        read failed in transfer, and a read now fails again (one that reads is another's
+        sound object, read by others too: never removed). Those are removed (forced: the
+        holder is gone) to be put again."""
         with self._unreadable_lock:
-            stale = [i for i, p in enumerate(present) if p and keys[i] in self._unreadable]
-            for i in stale:
+            marked = [i for i, p in enumerate(present) if p and keys[i] in self._unreadable]
+            for i in marked:
                 del self._unreadable[keys[i]]
-        if not stale:
+        dead = [i for i in marked if not self._caller.call(self.store.get, keys[i])]
+        if not dead:
             return present
-        codes = self._caller.call(self.store.batch_remove, [keys[i] for i in stale], True)
+        codes = self._caller.call(self.store.batch_remove, [keys[i] for i in dead], True)
         _raise_if_unreachable("batch_remove", codes)
         out = list(present)
-        for i, code in zip(stale, codes, strict=True):
+        for i, code in zip(dead, codes, strict=True):
             if code == 0 or code == OBJECT_NOT_FOUND:
                 out[i] = False
-        log.info("mooncake: %d listed objects this daemon could not read are written again",
-                 sum(1 for i in stale if not out[i]))
+        log.info("mooncake: %d listed objects of a client gone are written again",
+                 sum(1 for i in dead if not out[i]))
         return out
 
     def _remove(self, keys: Sequence[str]) -> int:
