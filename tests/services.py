@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -59,11 +60,42 @@ def held(server: RedisServer) -> Iterator[None]:
     """`server` stopped (SIGSTOP: no answer, no refusal) for the block: calls started stay
     in flight."""
     assert server.pid is not None
-    os.kill(server.pid, signal.SIGSTOP)
+    freeze(server.pid)
     try:
         yield
     finally:
         os.kill(server.pid, signal.SIGCONT)
+
+
+def freeze(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it has stopped. (The kill returns when
+    the stop is queued; the thread chosen to take it starts the group stop only when it
+    is next scheduled, and on a loaded machine the process's other threads meanwhile go
+    on serving: a call sent right after the kill could still be answered.)"""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid}: not every thread stopped {timeout_s} s after "
+                                 "SIGSTOP")
+        time.sleep(0.001)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # (gone: nothing of it runs)
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # (that thread exited)
+        state = stat[stat.rfind(")") + 2:][:1]  # (after the command name, which may hold ")")
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 @pytest.fixture(scope="session")

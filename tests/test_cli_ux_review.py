@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from daemon.daemonkit import Daemon, free_port
+from services import freeze
 
 from hicache import ops
 
@@ -82,7 +83,7 @@ def stopped(live: Daemon) -> Iterator[Daemon]:
     """The live daemon frozen (SIGSTOP): its kernel still accepts connections, nothing
     answers. A hung daemon, as an exec probe meets one."""
     assert live.proc is not None and live.proc.poll() is None
-    os.kill(live.proc.pid, signal.SIGSTOP)
+    freeze(live.proc.pid)
     try:
         yield live
     finally:

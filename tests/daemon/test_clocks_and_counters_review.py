@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from services import freeze
 
 from hicache.config import MAX_LEASE_MS, UINT32_MAX
 from hicache.errors import HicacheError, InvalidArgument, NoAnswer, NotFound
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _stopped(pid: int, seconds: float) -> None:
     """SIGSTOP `pid` for `seconds`, then SIGCONT (always continued)."""
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
         time.sleep(seconds)
     finally:
@@ -118,7 +119,7 @@ def test_engine_stalled_past_its_lease_gets_clear_errors(
         assert engine.stdout.readline().strip() == "ready"
         with d.client() as c:
             assert pool(c, "device") == (2, 2)  # the allocation's 2 pages, locked
-            os.kill(engine.pid, signal.SIGSTOP)
+            freeze(engine.pid)
             try:
                 # Its lease lapses meanwhile; the daemon takes everything back.
                 assert eventually(lambda: c.stats().counters["expired_leases"] == 1, 15.0)
@@ -152,7 +153,7 @@ def test_daemon_stalled_past_deadlines_leaks_no_handles_over_tcp(
     assert d.proc is not None
     with d.client(timeout_s=1.0, retries=0) as c:
         c.attach(map_pools=False)
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        freeze(d.proc.pid)
         try:
             with pytest.raises(NoAnswer):
                 c.match(tokens(128, start=10_000), lock=True, allocate_tokens=128)
