@@ -218,9 +218,11 @@ class EngineRegistry:
     # leases --------------------------------------------------------------------------
 
     def extend_leases(self, seconds: float) -> None:
-        """Every lease runs `seconds` longer (time in which no engine could renew)."""
+        """Every lease runs `seconds` longer (time in which no engine could renew), but
+        never past a full lease from now: one renewed since the stall lost nothing to it."""
+        cap = self._clock() + self.lease_s
         for engine in self._engines.values():
-            engine.expires_at += seconds
+            engine.expires_at = min(engine.expires_at + seconds, cap)
 
     def lapsed(self) -> list[Engine]:
         """Engines whose lease ran out, removed from the registry (their handles are the

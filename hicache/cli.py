@@ -146,7 +146,7 @@ def _warn_readable_secrets(config_path: str | None, cfg: HicacheConfig) -> None:
     """Say so (as sshd does of a loose key) when the file holding the tokens, or the TLS
     key, is readable by every local user: anyone could then use any tenant's token."""
     secrets = [(cfg.server.tls_key, "is server.tls_key")]
-    if cfg.server.tokens:
+    if cfg.server.tokens and config_path and _file_sets_tokens(config_path):
         secrets.append((config_path, "holds server.tokens"))
     for path, what in secrets:
         try:
@@ -156,6 +156,18 @@ def _warn_readable_secrets(config_path: str | None, cfg: HicacheConfig) -> None:
         if mode & stat.S_IROTH:
             log.warning("%s %s and is readable by every local user (mode %o): `chmod o-r` it",
                         path, what, stat.S_IMODE(mode))
+
+
+def _file_sets_tokens(path: str) -> bool:
+    """Whether the YAML file at `path` (the config just loaded from it) sets server.tokens
+    (they may come from `--set` instead)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    server = doc.get("server") if isinstance(doc, dict) else None
+    return isinstance(server, dict) and bool(server.get("tokens"))
 
 
 def _cmd_health(args: argparse.Namespace) -> int:

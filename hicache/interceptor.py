@@ -5,7 +5,8 @@ Every call goes through `ServerInterceptor`:
    check excepted), and the stop waits for those under way (`wait_idle`);
 1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
    call; a request with a `namespace` field is checked against it before the servicer runs
-   (ops inside `Batch` are checked by the Batch servicer with the same principal);
+   (ops inside `Batch` are checked by the Batch servicer with the same principal). A call
+   with no or a wrong token is refused on its headers, before its message is read;
 2. the servicer;
 3. a typed `HicacheError` → its status code and message; anything else → `INTERNAL`, with
    the traceback logged, and the daemon keeps serving;
@@ -91,17 +92,34 @@ class ServerInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
-        try:
-            return self._wrapped[method]
-        except KeyError:
-            pass
-        handler = continuation(handler_call_details)
-        if handler is None:  # unknown method: UNIMPLEMENTED, and not cached (names are free)
-            return None
-        wrapped = self._wrap(method, handler)
-        with self._lock:
-            self._wrapped[method] = wrapped
+        wrapped = self._wrapped.get(method)
+        if wrapped is None:
+            handler = continuation(handler_call_details)
+            if handler is None:  # unknown method: UNIMPLEMENTED, not cached (names are free)
+                return None
+            wrapped = self._wrap(method, handler)
+            with self._lock:
+                self._wrapped[method] = wrapped
+        if self._auth.enabled and method.split("/", 2)[1] not in UNAUTHENTICATED_SERVICES:
+            try:
+                self._auth.authenticate(handler_call_details.invocation_metadata)  # type: ignore[attr-defined]
+            except HicacheError as e:
+                return self._refusal(method.lstrip("/"), e)
         return wrapped
+
+    def _refusal(self, label: str, exc: HicacheError) -> grpc.RpcMethodHandler:
+        """A call refused on its headers (no or a wrong token), before its message is
+        read: as a request-streaming handler, whose worker never waits for the message
+        (a unary one waits for it on the worker: callers sending headers and never the
+        message held every worker of the sync server)."""
+        status, message = status_of(exc)
+
+        def refuse(_requests: Any, context: grpc.ServicerContext) -> Any:
+            if self._metrics is not None:
+                self._metrics.observe(label, status.name, 0.0)
+            context.abort(status, message)
+
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         label = method.lstrip("/")

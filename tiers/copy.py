@@ -9,8 +9,9 @@ microseconds per op.
 Small copies (at most `SMALL_COPY_PAGES` pairs, e.g. the write-through of one insert) run
 in the calling thread, one numpy fancy-index op per (member, layer) on opaque row items:
 the rows go through a cache-resident temporary, cheaper than planning for so few bytes.
-Only large copies use torch: pools too small for one (a family's smaller pool of at most
-`SMALL_COPY_PAGES` pages) never import it, so such a daemon starts ~1.5 s sooner here.
+Only large copies use torch: pools too small for most (a family's smaller pool of at most
+`SMALL_COPY_PAGES` pages) never import it, so such a daemon starts ~1.5 s sooner here; their
+rare large copies (an L1 -> L2 copy that repeats sources) take numpy's forms.
 
 Larger copies are planned once per call (`plan_rows`) by how contiguous the ids are:
 
@@ -91,9 +92,12 @@ class CpuCopyEngine(CopyEngine):
     def __init__(self, device: DevicePools, host: HostPools, threads: int = 2) -> None:
         if device.is_cuda:
             raise InvalidArgument("CpuCopyEngine needs CPU device pools; use CudaCopyEngine")
-        if copies_can_be_large(device, host):
-            # Large copies use torch: imported now, at start (before the daemon freezes
-            # its heap), not by the first of them, which would wait 1.5-3 s for it.
+        # Large copies use torch: imported now, at start (before the daemon freezes its
+        # heap), not by the first of them, which would wait 1.5-3 s for it. Pools too small
+        # for them never import it: their rare copies past SMALL_COPY_PAGES (an L1 -> L2
+        # copy may repeat its sources) take numpy's forms.
+        self._torch = copies_can_be_large(device, host)
+        if self._torch:
             import torch  # noqa: F401
         self._device = device
         self._host = host
@@ -159,7 +163,7 @@ class CpuCopyEngine(CopyEngine):
             _copy_inline(pairs, src_ids, dst_ids, layers, on_layer)
         else:
             plan = plan_rows(src_ids, dst_ids)
-            if _torch_form(plan, pairs, on_layer):
+            if self._torch and _torch_form(plan, pairs, on_layer):
                 _torch_copy(plan, pairs, layers, on_layer)
             else:
                 self._run_jobs(_jobs(plan, pairs, layers), layers, on_layer)
@@ -356,6 +360,9 @@ def _jobs(plan: RowPlan, pairs: Sequence[_MemberPair], layers: int) -> list[_Job
     a run boundary that its form needs."""
     s, d = plan.src_ids, plan.dst_ids
     runs = plan.runs
+    kind = plan.kind
+    if kind is PlanKind.GATHER and not _contiguous_rows(pairs):
+        kind = PlanKind.STAGED  # (`np.take(out=)` needs contiguous rows; torch not loaded)
     jobs: list[_Job] = []
     for layer in range(layers):
         for src, dst in pairs:
@@ -366,7 +373,7 @@ def _jobs(plan: RowPlan, pairs: Sequence[_MemberPair], layers: int) -> list[_Job
             for a0, b0 in runs:
                 for a in range(a0, b0, step):
                     b = min(a + step, b0)
-                    jobs.append((layer, _job(plan.kind, src_rows, s, dst_rows, d, a, b)))
+                    jobs.append((layer, _job(kind, src_rows, s, dst_rows, d, a, b)))
     return jobs
 
 

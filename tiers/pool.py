@@ -137,6 +137,8 @@ def checked_ids(ids: PageIds, pages: int, what: str) -> npt.NDArray[np.int64]:
             f"{what} must be a 1-D integer array (got shape {arr.shape}, dtype {arr.dtype})"
         )
     out = arr.astype(np.int64, copy=False)
+    if not out.flags.c_contiguous:  # (a reversed or strided view: torch takes none)
+        out = np.ascontiguousarray(out)
     n = out.size
     if n == 0:
         return out

@@ -79,7 +79,8 @@ STALE_TEMP_S = 600.0
 def _host_tag() -> str:
     """This host's name as one temp-name field (no dots, no separators)."""
     name = socket.gethostname() or "host"
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:64]
+    return "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_"
+                   for c in name)[:64]  # (what `_HOST` matches)
 
 
 # About when this process started: a temp file of this host named with this process's pid
@@ -550,6 +551,7 @@ class FileBackend(StorageBackend):
             with self._lock:
                 self._folders.add(os.path.basename(os.path.dirname(folder)))
         try:
+            os.fchmod(fd, GROUP_FILE_MODE)  # (open's mode lost what the umask takes)
             written = 0
             while written < len(data):
                 written += os.write(fd, data[written:])
