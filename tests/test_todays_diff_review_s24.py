@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -286,9 +286,8 @@ def _tree() -> HiRadixTree:
     return HiRadixTree(2, {FULL: 0, SWA: 3, MAMBA: 0})
 
 
-def _fuzz_tree(seed: int, ops: int) -> dict[ComponentKind, int]:
-    rng = random.Random(seed)
-    tree = _tree()
+def _page_ids() -> Callable[[int], np.ndarray]:
+    """`fresh(n)`: `n` page ids never handed out before."""
     counter = [1000]
 
     def fresh(n: int) -> np.ndarray:
@@ -296,15 +295,28 @@ def _fuzz_tree(seed: int, ops: int) -> dict[ComponentKind, int]:
         counter[0] += n
         return out
 
+    return fresh
+
+
+def _prompt(rng: random.Random, bases: list[int]) -> tuple[int, bytes]:
+    """A prompt of 2-23 tokens sharing a prefix of up to 29 with others of its base."""
+    base = rng.choice(bases)
+    n = rng.randrange(2, 24)
+    cut = rng.randrange(4, 30)
+    return n, np.array([base * 1000 + i if i < cut else 7 * base + 3 * i for i in range(n)],
+                       dtype="<u4").tobytes()
+
+
+def _fuzz_tree(seed: int, ops: int) -> dict[ComponentKind, int]:
+    rng = random.Random(seed)
+    tree = _tree()
+    fresh = _page_ids()
+
     locks = []
     bases = [rng.randrange(0, 50) for _ in range(4)]
     for _ in range(ops):
         op = rng.random()
-        base = rng.choice(bases)
-        n = rng.randrange(2, 24)
-        cut = rng.randrange(4, 30)
-        toks = np.array([base * 1000 + i if i < cut else 7 * base + 3 * i for i in range(n)],
-                        dtype="<u4").tobytes()
+        n, toks = _prompt(rng, bases)
         if op < 0.35:
             pages = n // 2
             tree.insert("ns", toks, {FULL: fresh(pages), SWA: fresh(pages)},
@@ -343,12 +355,7 @@ def _fuzz_write_back(seed: int, ops: int) -> dict[tuple[str, str], int]:
     (its copy comes later) or makes no copy, with locks held and released meanwhile."""
     rng = random.Random(seed)
     tree = HiRadixTree(2, {FULL: 0, SWA: 3, MAMBA: 0}, backed_up_tiers=(Tier.DEVICE,))
-    counter = [1000]
-
-    def fresh(n: int) -> np.ndarray:
-        out = np.arange(counter[0], counter[0] + n, dtype=np.int64)
-        counter[0] += n
-        return out
+    fresh = _page_ids()
 
     def backup(mode: str | None):
         def before_drop(victim) -> bool:
@@ -366,11 +373,7 @@ def _fuzz_write_back(seed: int, ops: int) -> dict[tuple[str, str], int]:
     bases = [rng.randrange(0, 50) for _ in range(4)]
     for _ in range(ops):
         op = rng.random()
-        base = rng.choice(bases)
-        n = rng.randrange(2, 24)
-        cut = rng.randrange(4, 30)
-        toks = np.array([base * 1000 + i if i < cut else 7 * base + 3 * i for i in range(n)],
-                        dtype="<u4").tobytes()
+        n, toks = _prompt(rng, bases)
         if op < 0.3:
             tree.insert("ns", toks, {FULL: fresh(n // 2), SWA: fresh(n // 2)},
                         mamba_slot=int(fresh(1)[0]), session_id=rng.choice([None, "s1", "s2"]))
