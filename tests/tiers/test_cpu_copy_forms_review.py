@@ -735,7 +735,10 @@ def test_unevenly_spaced_layers_have_no_grid_and_copy_per_layer() -> None:
         r[...] = rng.integers(0, 256, r.shape, dtype=np.uint8)
     src = MemberRows(tuple(LayerRows.of(r) for r in rows), _grid(rows))
     assert src.grid is None and src.stacked is None
-    out = [np.zeros((100, 16), np.uint8) for _ in range(3)]
+    raw_out = np.zeros(3 * 100 * 16 + 256, np.uint8)  # (3 arrays of their own could lie evenly)
+    base_out = (-raw_out.ctypes.data) % 64
+    out = [raw_out[base_out + a: base_out + a + 100 * 16].reshape(100, 16)
+           for a in (0, 100 * 16 + 64, 2 * 100 * 16 + 192)]
     dst = MemberRows(tuple(LayerRows.of(r) for r in out), _grid(out))
     assert dst.grid is None
     s, d = rng.permutation(200)[:100], np.arange(100)
