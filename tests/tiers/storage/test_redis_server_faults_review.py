@@ -326,10 +326,26 @@ def test_a_database_index_in_the_url_keeps_objects_there_and_other_apps_keys_alo
 # =========================================================== slow server, killed links
 
 
+def _wait_asleep(server: RedisServer) -> None:
+    """Return once `server` no longer answers a PING within 50 ms (its DEBUG SLEEP began:
+    on a loaded machine the thread sending it may take longer than any fixed wait)."""
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        probe = redis.Redis.from_url(server.url, socket_timeout=0.05)
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return
+        finally:
+            probe.close()
+        time.sleep(0.01)
+    raise AssertionError("the server still answered 1.5 s after DEBUG SLEEP was sent")
+
+
 def test_a_sleeping_server_bounds_every_call_and_no_late_reply_answers_a_later_command(
     redis_factory: Callable[..., RedisServer],
 ) -> None:
-    """`DEBUG SLEEP 2` (the server is busy, as with a slow Lua script or a huge KEYS): a
+    """`DEBUG SLEEP 4` (the server is busy, as with a slow Lua script or a huge KEYS): a
     read in flight gives up within storage.timeout_s, so do calls meanwhile, and once
     the server answers again, the next calls get their own replies: no reply left on a
     connection by the call given up on answers another command (a GET's object read as
@@ -341,9 +357,11 @@ def test_a_sleeping_server_bounds_every_call_and_no_late_reply_answers_a_later_c
         ks, others = keys(6), keys(6)
         src = Pool(6, seed=25)
         assert backend.put_from(ks, src.slots()) == [PutStatus.STORED] * 6
-        thread = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "2"))
+        sleeper.ping()  # (connected before: the thread only sends the command)
+        # (4 s: both calls, each given up on after TIMEOUT_S, fall within it)
+        thread = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "4"))
         thread.start()
-        time.sleep(0.2)
+        _wait_asleep(server)
         took = []
         for call in (lambda: backend.get_into(ks, Pool(6, seed=None).slots()),
                      lambda: backend.exists_prefix(ks)):
