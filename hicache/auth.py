@@ -6,7 +6,8 @@ A caller presents `authorization: Bearer <token>` metadata; a missing or unknown
 `Unauthenticated`, a namespace outside the token's list `PermissionDenied`.
 
 Tokens are compared in constant time and never appear in messages, logs or metrics: an
-authenticated caller is known by its `Principal.label` (`token#<index>`) only.
+authenticated caller is known by its `Principal.label` (the token's `name`, or
+`token#<index>`) only.
 """
 
 from __future__ import annotations
@@ -101,16 +102,37 @@ def reset_current_principal(token: contextvars.Token[Principal]) -> None:
 
 
 class Authenticator:
-    """Maps the `authorization` metadata of a call to a `Principal`."""
+    """Maps the `authorization` metadata of a call to a `Principal`.
+
+    A principal's label is who the core's scoped ids (engines, sessions, locks) belong to,
+    so it holds across `replace` (a configuration reload): a token's `name` when it has
+    one (a tenant keeps its engines while it moves to a new token value), else the label
+    that token value already had, else a label never used before in this process
+    (`token#<n>`, numbered on from the start's, which follow the list). A reload can thus
+    never hand a token another tenant's engines, sessions or locks."""
 
     def __init__(self, tokens: Sequence[TokenConfig]) -> None:
-        self._entries = [
-            (
-                cfg.token.encode(),
-                Principal(label=f"token#{i}", namespaces=frozenset(cfg.namespaces)),
-            )
-            for i, cfg in enumerate(tokens)
-        ]
+        # Every unnamed token value seen: its label (at the start, its place in the list).
+        self._labels = {cfg.token.encode(): f"token#{i}" for i, cfg in enumerate(tokens)
+                        if cfg.name is None}
+        self._next = len(tokens)
+        self._entries: list[tuple[bytes, Principal]] = []
+        self.replace(tokens)
+
+    def replace(self, tokens: Sequence[TokenConfig]) -> None:
+        """Serve `tokens` from the next call on (calls under way finish with the old)."""
+        entries = []
+        for cfg in tokens:
+            value = cfg.token.encode()
+            if cfg.name is not None:
+                label = cfg.name
+            elif value in self._labels:
+                label = self._labels[value]
+            else:
+                label = self._labels[value] = f"token#{self._next}"
+                self._next += 1
+            entries.append((value, Principal(label=label, namespaces=frozenset(cfg.namespaces))))
+        self._entries = entries  # (one assignment: a call reads either list whole)
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +141,8 @@ class Authenticator:
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Principal:
         """The caller's principal; `Unauthenticated` when tokens are configured and the
         call carries none or an unknown one."""
-        if not self._entries:
+        entries = self._entries
+        if not entries:
             return ANONYMOUS
         presented: bytes | None = None
         for key, value in metadata:
@@ -134,7 +157,7 @@ class Authenticator:
             )
         found: Principal | None = None
         # Compare with every entry (no early exit) so timing does not reveal which matched.
-        for token, principal in self._entries:
+        for token, principal in entries:
             if hmac.compare_digest(token, presented):
                 found = principal
         if found is None:

@@ -132,14 +132,22 @@ def _serve_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, _serve_overrides(args))
+    from hicache.server import serve, watch_hangups
+
+    hangups = watch_hangups()  # (first: one during the start is a reload once ready)
+    overrides = _serve_overrides(args)
+    cfg = load_config(args.config, overrides)
     _warn_readable_secrets(args.config, cfg)
     from hicache import allocator
-    from hicache.server import serve
+
+    def load() -> HicacheConfig:  # (SIGHUP: the same file and overrides, read again)
+        reloaded = load_config(args.config, overrides)
+        _warn_readable_secrets(args.config, reloaded)
+        return reloaded
 
     # The daemon's process: large page-id arrays from the heap (see hicache.allocator).
     allocator.tune()
-    return serve(cfg)
+    return serve(cfg, load=load, hangups=hangups)
 
 
 def _warn_readable_secrets(config_path: str | None, cfg: HicacheConfig) -> None:

@@ -60,6 +60,7 @@ L2_PAGE_HEADER_BYTES = 64  # a page_first L2 slot starts with its L3 object's he
 L2_SLOT_ALIGN = 64  # ... and is padded to a cache line (and an int64 boundary)
 MESSAGE_SLACK_BYTES = 1 << 20  # a message's fields besides its token or page-id bytes
 MAX_TOKEN_CHARS = 4096  # server.tokens[].token
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # server.tokens[].name
 MAX_TTL_S = (1 << 31) - 1  # storage.redis.ttl_s: ~68 years
 MAX_TOKENS_PER_REQUEST = 1 << 28  # 1 GiB of token bytes: well inside gRPC's 2 GiB limit
 
@@ -462,8 +463,12 @@ class StorageConfig:
 class TokenConfig:
     token: str = ""
     namespaces: tuple[str, ...] = ()
+    name: str | None = None  # the tenant: engines, sessions and locks belong to it
 
     def _validate(self, path: str) -> None:
+        if self.name is not None and not _TENANT_NAME.fullmatch(self.name):
+            raise ConfigError(f"{path}.name: {_brief(self.name)} must be 1-64 letters, digits, "
+                              "'_', '.' or '-'")
         if len(self.token) < 16:
             raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
         if len(self.token) > MAX_TOKEN_CHARS:  # (gRPC refuses metadata past 16 KiB: no call would pass)

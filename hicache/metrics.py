@@ -1,7 +1,9 @@
 """Prometheus metrics of the daemon, served over HTTP on `metrics.port` (0 disables).
 
-Two sources:
+Three sources:
 - RPC latency, observed by the interceptor per (method, code): `hicache_rpc_seconds`.
+- Configuration reloads (`hicache.reload`), counted by outcome:
+  `hicache_config_reloads_total{outcome}`, `hicache_config_last_reload_successful`.
 - Everything the core counts, read from `CacheService.stats()` / `health()` at scrape time
   by `CoreCollector`, so the core stays the one owner of its counters and a scrape always
   sees one consistent snapshot. That includes the L3 call latencies the controller keeps
@@ -19,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -69,6 +71,25 @@ class RpcMetrics:
                     (method, code), self._hist.labels(method=method, code=code)
                 )
         child.observe(seconds)
+
+
+class ReloadMetrics:
+    """Configuration reloads by outcome, and whether the last one succeeded (1 before any:
+    the configuration the daemon started with is in effect)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._reloads = Counter("hicache_config_reloads", "configuration reloads (SIGHUP) by outcome",
+                                ("outcome",), registry=registry)
+        for outcome in ("applied", "failed"):
+            self._reloads.labels(outcome=outcome)
+        self._last_ok = Gauge("hicache_config_last_reload_successful",
+                              "1 when the last configuration reload succeeded (or none was tried)",
+                              registry=registry)
+        self._last_ok.set(1)
+
+    def observe(self, ok: bool) -> None:
+        self._reloads.labels(outcome="applied" if ok else "failed").inc()
+        self._last_ok.set(1 if ok else 0)
 
 
 class CoreCollector(Collector):
@@ -184,6 +205,7 @@ class Metrics:
     def __init__(self, core: CacheService | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.rpc = RpcMetrics(self.registry)
+        self.reloads = ReloadMetrics(self.registry)
         if core is not None:
             self.registry.register(CoreCollector(core))
         self._server: Any = None

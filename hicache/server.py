@@ -31,14 +31,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from hicache.auth import Authenticator
-from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig, read_named_file
+from hicache.config import MAX_MESSAGE_BYTES, HicacheConfig
 from hicache.controller.base import CacheService
 from hicache.endpoint import Endpoint, SocketLock, parse_address
 from hicache.errors import FailedPrecondition
 from hicache.interceptor import ServerInterceptor
 from hicache.metrics import Metrics
 from hicache.pb.hicache.v1 import admin_pb2, admin_pb2_grpc, hicache_pb2, hicache_pb2_grpc
+from hicache.reload import Reloader, ReloadOutcome
 from hicache.service import AdminServicer, HiCacheServicer
+from hicache.tls import ServerCertificate
 
 log = logging.getLogger("hicache.server")
 
@@ -153,7 +155,9 @@ class ReflectionServicer(reflection.ReflectionServicer):
 class Daemon:
     """The gRPC side of a running daemon over a started core."""
 
-    def __init__(self, cfg: HicacheConfig, core: CacheService, endpoint: Endpoint) -> None:
+    def __init__(self, cfg: HicacheConfig, core: CacheService, endpoint: Endpoint,
+                 load: Callable[[], HicacheConfig] | None = None) -> None:
+        """`load`: reads the configuration again, for `reload` (SIGHUP)."""
         self.cfg = cfg
         self.core = core
         self.endpoint = endpoint
@@ -171,7 +175,15 @@ class Daemon:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),  # a second daemon must not share the port
         ]
-        self.interceptor = ServerInterceptor(Authenticator(cfg.server.tokens), self.metrics.rpc)
+        self.auth = Authenticator(cfg.server.tokens)
+        self.certificate = (
+            ServerCertificate(cfg.server.tls_cert, cfg.server.tls_key)
+            if endpoint.path is None and cfg.server.tls_cert is not None
+            and cfg.server.tls_key is not None else None
+        )
+        self._reloader = (Reloader(cfg, load, self.auth, self.certificate)
+                          if load is not None else None)
+        self.interceptor = ServerInterceptor(self.auth, self.metrics.rpc)
         self.server = grpc.server(
             _started_pool(WORKERS, "rpc"),
             interceptors=[self.interceptor],
@@ -228,13 +240,8 @@ class Daemon:
                 port = _bound(lambda: self.server.add_insecure_port(target))
             finally:
                 os.umask(old)
-        elif self.cfg.server.tls_cert is not None and self.cfg.server.tls_key is not None:
-            key_pem = read_named_file(self.cfg.server.tls_key, "server.tls_key", FailedPrecondition)
-            cert_pem = read_named_file(self.cfg.server.tls_cert, "server.tls_cert", FailedPrecondition)
-            try:
-                creds = grpc.ssl_server_credentials([(key_pem, cert_pem)])
-            except (RuntimeError, ValueError) as e:
-                raise FailedPrecondition(f"server.tls_cert/tls_key: not a usable key pair ({e})") from None
+        elif self.certificate is not None:
+            creds = self.certificate.credentials()
             port = _bound(lambda: self.server.add_secure_port(target, creds))
         else:
             port = _bound(lambda: self.server.add_insecure_port(target))
@@ -243,6 +250,15 @@ class Daemon:
                 f"server.listen={self.endpoint.address}: cannot listen there (in use? for TLS: "
                 "do server.tls_cert and tls_key hold a matching PEM certificate and key?)"
             )
+
+    def reload(self) -> ReloadOutcome:
+        """Read the configuration again and apply what can change live (`hicache.reload`)."""
+        if self._reloader is None:
+            log.warning("reload asked for, but this daemon has no configuration source to read again")
+            return ReloadOutcome(error="no configuration source")
+        outcome = self._reloader.reload()
+        self.metrics.reloads.observe(outcome.ok)
+        return outcome
 
     def _sweep_leases(self) -> None:
         """Expire lapsed leases, not counting time this process did not run: a sweep
@@ -339,9 +355,14 @@ def serve(
     cfg: HicacheConfig,
     stop: threading.Event | None = None,
     core_factory: CoreFactory = _default_core,
+    load: Callable[[], HicacheConfig] | None = None,
+    hangups: list[int] | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT (or `stop` is set); return the process exit code.
-    Raises `FailedPrecondition` (with a message for the operator) when it cannot start."""
+    """Run until SIGTERM/SIGINT (or `stop` is set); return the process exit code. SIGHUP
+    reloads the configuration through `load` (`hicache.reload`); it never stops the
+    daemon. `hangups`: the SIGHUPs `watch_hangups` noted before (the process's start), one
+    reload once ready. Raises `FailedPrecondition` (with a message for the operator) when
+    it cannot start."""
     endpoint = parse_address(cfg.server.listen)
     check_security(cfg, endpoint)
     stop = stop or threading.Event()
@@ -355,13 +376,15 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: signalled.append(signum))
+        hangups = watch_hangups(hangups)
+    hangups = [] if hangups is None else hangups
     lock = SocketLock(endpoint.path) if endpoint.path is not None else None
     if lock is not None:
         lock.acquire()
     try:
         core = core_factory(cfg, endpoint.instance_name())
         try:
-            daemon = Daemon(cfg, core, endpoint)
+            daemon = Daemon(cfg, core, endpoint, load)
         except BaseException:
             core.close()  # its pools (L1 shared memory) must not outlive the attempt
             raise
@@ -383,7 +406,9 @@ def serve(
             frozen,
         )
         while not signalled and not stop.wait(SIGNAL_POLL_S):
-            pass
+            if hangups:
+                hangups.clear()  # (several at once: one reload reads the latest files)
+                daemon.reload()
         log.info("hicache daemon stopping")
         daemon.stop()
     finally:
@@ -391,6 +416,15 @@ def serve(
             lock.release()
     log.info("hicache daemon stopped")
     return 0
+
+
+def watch_hangups(hangups: list[int] | None = None) -> list[int]:
+    """Note every SIGHUP in `hangups` (returned; a new list without one) from now on, for
+    `serve` to reload on. By default a SIGHUP (a reload's, a closed terminal's) ended the
+    process at once: no flush, its socket and shared memory left behind. Main thread only."""
+    noted: list[int] = [] if hangups is None else hangups
+    signal.signal(signal.SIGHUP, lambda signum, _frame: noted.append(signum))
+    return noted
 
 
 def freeze_startup_heap() -> int:

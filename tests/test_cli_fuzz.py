@@ -93,7 +93,8 @@ def serve_without_a_server(argv: list[str]) -> tuple[Run, list[Any]]:
     exited with, and the configurations it would have served."""
     started: list[Any] = []
     fake_server = types.ModuleType("hicache.server")
-    fake_server.serve = lambda cfg: started.append(cfg) or 0  # type: ignore[attr-defined]
+    fake_server.serve = lambda cfg, **_: started.append(cfg) or 0  # type: ignore[attr-defined]
+    fake_server.watch_hangups = list  # type: ignore[attr-defined]  # (no handler in the test process)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "hicache.server", fake_server)
         mp.setattr("hicache.allocator.tune", lambda: None)

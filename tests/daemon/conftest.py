@@ -29,8 +29,8 @@ def make_daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     made: list[Daemon] = []
 
     def make(*sets: str, listen: str | None = None, start: bool = True,
-             ca: bytes | None = None) -> Daemon:
-        d = Daemon(tmp_path, *sets, listen=listen, ca=ca)
+             ca: bytes | None = None, config: Path | None = None) -> Daemon:
+        d = Daemon(tmp_path, *sets, listen=listen, ca=ca, config=config)
         made.append(d)
         return d.start() if start else d
 

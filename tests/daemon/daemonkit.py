@@ -54,10 +54,12 @@ class Daemon:
     """`hicache serve` as a subprocess on a private socket (or a TCP address)."""
 
     def __init__(self, workdir: Path, *sets: str, listen: str | None = None,
-                 ca: bytes | None = None) -> None:
-        """`ca`: the PEM root certificate its clients trust (a TLS daemon)."""
+                 ca: bytes | None = None, config: Path | None = None) -> None:
+        """`ca`: the PEM root certificate its clients trust (a TLS daemon); `config`: the
+        YAML file it reads (`--config`), the `sets` applied over it."""
         self.workdir = workdir
         self.ca = ca
+        self.config = config
         self.socket = workdir / "d.sock"
         self.listen = listen or f"unix://{self.socket}"
         self.sets = (*TINY, *sets)
@@ -70,6 +72,8 @@ class Daemon:
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "hicache.cli", "serve", "--listen", self.listen]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
         for item in self.sets:
             argv += ["--set", item]
         return argv

@@ -167,7 +167,7 @@ def test_a_daemon_that_cannot_bind_names_the_key_not_a_traceback(
         "metrics port": ((f"metrics.port={taken}",), None, "metrics.port="),
         "listen port": ((), f"127.0.0.1:{taken}", "server.listen="),
         "tls pair": ((f"server.tls_cert={junk}", f"server.tls_key={junk}"), f"127.0.0.1:{free_port()}",
-                     "server.listen="),
+                     "server.tls_cert/tls_key: "),
         "socket parent": ((), f"unix://{tmp_path}/afile/x.sock", "server.listen=unix://"),
     }[case]
     try:

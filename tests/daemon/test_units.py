@@ -17,7 +17,7 @@ from hicache import convert, errors
 from hicache.auth import ANONYMOUS, Authenticator
 from hicache.client import Client, insert_op, match_op, release_op
 from hicache.client_errors import error_for, op_error
-from hicache.config import TokenConfig, load_config
+from hicache.config import ConfigError, TokenConfig, load_config
 from hicache.controller.base import AllocateRequest, PoolUsage, StatsSnapshot
 from hicache.controller.controller import build_controller
 from hicache.endpoint import parse_address
@@ -25,6 +25,7 @@ from hicache.interceptor import status_of
 from hicache.metrics import counter_families
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.pb.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.reload import Reloader, changed_keys
 from hicache.server import Daemon
 from hicache.tiers.base import PoolDescriptor, PoolKind
 
@@ -251,6 +252,68 @@ def test_authenticator() -> None:
         tenant.require("y")
     assert "a" * 16 not in str(info.value)
     auth.authenticate([("authorization", "Bearer " + "b" * 16)]).require("anything")
+
+
+def _who(auth: Authenticator, token: str) -> str:
+    return auth.authenticate([("authorization", "Bearer " + token)]).label
+
+
+def test_authenticator_labels_hold_across_replacements() -> None:
+    """A label is whose the scoped engines, sessions and locks are: kept by a token value
+    (or a name) across reloads, never handed to another token."""
+    a, b, c, d = ("a" * 16, "b" * 16, "c" * 16, "d" * 16)
+    auth = Authenticator((TokenConfig(a, ("x",)), TokenConfig(b, ("x",))))
+    assert (_who(auth, a), _who(auth, b)) == ("token#0", "token#1")  # the list's places
+    auth.replace((TokenConfig(c, ("x",)), TokenConfig(a, ("x",))))
+    assert (_who(auth, c), _who(auth, a)) == ("token#2", "token#0")  # new, kept
+    with pytest.raises(errors.Unauthenticated):
+        _who(auth, b)
+    auth.replace((TokenConfig(b, ("x",)), TokenConfig(d, ("x",), name="team")))
+    assert (_who(auth, b), _who(auth, d)) == ("token#1", "team")  # back: its own again
+    auth.replace((TokenConfig(a, ("x",), name="team"), TokenConfig(d, ("x",), name="team")))
+    assert _who(auth, a) == _who(auth, d) == "team"  # one tenant, two values (a rotation)
+    auth.replace(())
+    assert auth.authenticate([]) is ANONYMOUS and not auth.enabled
+
+
+def test_token_names_are_validated() -> None:
+    with pytest.raises(ConfigError, match=r"server.tokens\[0\].name: .* must be 1-64 letters"):
+        load_config(None, ['server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x], name: "t#1"}]'])
+    with pytest.raises(ConfigError, match=r"server.tokens\[0\].name"):
+        load_config(None, ["server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x], name: ''}]"])
+    cfg = load_config(None, ["server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x], name: t-1.b_2}]"])
+    assert cfg.server.tokens[0].name == "t-1.b_2"
+
+
+def test_reloader_applies_all_or_nothing() -> None:
+    base = load_config(None, ["server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x]}]"])
+    auth = Authenticator(base.server.tokens)
+    files = iter([
+        ["server.tokens=[{token: bbbbbbbbbbbbbbbb, namespaces: [x]}]", "server.lease_ms=9000",
+         "tiers.l1.tokens=2048"],
+        ["server.tokens=[{token: short, namespaces: [x]}]"],
+        ["server.tokens=[]"],
+    ])
+    reloader = Reloader(base, lambda: load_config(None, next(files)), auth, None)
+    first = reloader.reload()
+    assert first.ok and first.applied == ("server.tokens (1 token)",)
+    assert first.restart_needed == ("tiers.l1.tokens", "server.lease_ms")
+    assert _who(auth, "b" * 16) == "token#1"
+    assert reloader.running.server.lease_ms == base.server.lease_ms  # (what is in effect)
+    second = reloader.reload()
+    assert not second.ok and "at least 16 characters" in (second.error or "")
+    assert second.applied == () and _who(auth, "b" * 16) == "token#1"
+    third = reloader.reload()
+    assert third.applied == () and _who(auth, "b" * 16) == "token#1"
+    assert "server.tokens (authentication is turned on or off at a restart)" in third.restart_needed
+
+
+def test_changed_keys_name_leaves() -> None:
+    a = load_config(None)
+    b = load_config(None, ["eviction.policy=lfu", "model.page_size=32", "server.tokens="
+                           "[{token: aaaaaaaaaaaaaaaa, namespaces: [x]}]"])
+    assert set(changed_keys(a, b)) >= {"eviction.policy", "model.page_size", "server.tokens"}
+    assert list(changed_keys(a, a)) == []
 
 
 def test_addresses() -> None:
