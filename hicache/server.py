@@ -16,6 +16,7 @@ hop per call (its handlers must not block the event loop).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -377,6 +378,10 @@ def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: signalled.append(signum))
         hangups = watch_hangups(hangups)
+        # kill -USR1: every thread's stack to stderr (the journal), written from the
+        # signal itself, so a daemon stuck on a lock can still say where; it serves on.
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        faulthandler.enable(all_threads=True)  # (and so does a crash in native code)
     hangups = [] if hangups is None else hangups
     lock = SocketLock(endpoint.path) if endpoint.path is not None else None
     if lock is not None:

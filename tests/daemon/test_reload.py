@@ -1,6 +1,7 @@
 """SIGHUP reloads the configuration of a running daemon: tokens and the TLS certificate
 change live and the cache stays; a file that fails changes nothing; other keys wait for a
-restart and are named. Real daemon processes, real signals."""
+restart and are named. SIGUSR1 dumps every thread's stack. Real daemon processes, real
+signals."""
 
 from __future__ import annotations
 
@@ -284,3 +285,17 @@ def test_sighup_rotates_the_tls_certificate_for_new_connections(
     # The CLI probe reaches it with the new certificate.
     out = run_cli("health", "--target", target, "--ca-file", str(new_crt), "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["serving"] is True, out.stderr
+
+
+# ------------------------------------------------------------------ other signals
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_daemon_serves_on(make_daemon: MakeDaemon) -> None:
+    d = make_daemon()
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGUSR1)
+    assert eventually(lambda: "hicache/server.py" in d.log() and "Thread 0x" in d.log()), d.log()
+    assert "in serve" in d.log()  # the main thread, waiting for signals
+    with d.client(retries=0) as c:
+        assert c.serving()
+    assert d.stop() == 0
