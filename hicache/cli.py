@@ -153,7 +153,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _warn_readable_secrets(config_path: str | None, cfg: HicacheConfig) -> None:
     """Say so (as sshd does of a loose key) when the file holding the tokens, or the TLS
     key, is readable by every local user: anyone could then use any tenant's token."""
-    secrets = [(cfg.server.tls_key, "is server.tls_key")]
+    secrets = [(cfg.server.tls_key, "is server.tls_key"),
+               (cfg.server.tokens_file, "is server.tokens_file")]
     if cfg.server.tokens and config_path and _file_sets_tokens(config_path):
         secrets.append((config_path, "holds server.tokens"))
     for path, what in secrets:

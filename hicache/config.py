@@ -489,6 +489,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tokens: tuple[TokenConfig, ...] = ()
+    tokens_file: str | None = None  # the tokens from a file of their own (a mounted Secret)
     lease_ms: int = 30000
     shutdown_flush_s: float = 10.0
     max_tokens_per_request: int = 1 << 20
@@ -511,7 +512,7 @@ class ServerConfig:
             ) from None
         if not 0 <= mode <= 0o777:
             raise ConfigError(f"{path}.socket_mode: {self.socket_mode!r} is out of range")
-        for key in ("tls_cert", "tls_key"):  # ('' is no path: plaintext would follow)
+        for key in ("tls_cert", "tls_key", "tokens_file"):  # ('' is no path: plaintext would follow)
             if getattr(self, key) is not None and not getattr(self, key).strip():
                 raise ConfigError(f"{path}.{key}: an empty path; leave it out (null) for none")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -784,15 +785,51 @@ def load_config(
     for item in overrides:
         apply_override(raw, item)
     from_env = apply_env(raw, os.environ if env is None else env)
+    tokens_file = _read_tokens_file(raw)
     try:
         return build_config(raw)
     except ConfigError as e:
+        if tokens_file is not None and str(e).startswith("server.tokens"):
+            raise ConfigError(f"server.tokens_file ({tokens_file}): {e}") from None
         # A value the environment supplied is named by its variable too: the file the
         # operator reads shows nothing (or null) at that key.
         for key, var in from_env.items():
             if str(e).startswith(f"{key}:"):
                 raise ConfigError(f"{e} (the value came from {var})") from None
         raise
+
+
+def _read_tokens_file(raw: dict[str, Any]) -> str | None:
+    """With `server.tokens_file`, its list becomes `server.tokens` in `raw` (each entry
+    validated as one given inline); returns the file's name for messages (None without).
+    YAML errors there never quote the file's lines: they hold the tokens."""
+    server = raw.get("server")
+    path = server.get("tokens_file") if isinstance(server, dict) else None
+    if not isinstance(path, str) or not path.strip():
+        return None  # (a wrong type or an empty path: the validation names it)
+    assert isinstance(server, dict)
+    source = one_line(path)
+    if server.get("tokens"):
+        raise ConfigError("server.tokens and server.tokens_file: give the tokens in one place, "
+                          "not both (values hidden)")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"server.tokens_file: cannot read {source}: {e.strerror}") from None
+    except (UnicodeDecodeError, ValueError):
+        raise ConfigError(f"server.tokens_file: cannot read {source}: not UTF-8 text") from None
+    try:
+        tokens = _load_yaml(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"server.tokens_file ({source}): not valid YAML: {_yaml_problem(e)}") from None
+    if tokens is not None and not isinstance(tokens, list):
+        raise ConfigError(f"server.tokens_file ({source}): must hold a YAML list of "
+                          f"{{token, namespaces, name}} entries, got {type(tokens).__name__}")
+    if not tokens:  # (read as no tokens, it would turn authentication off)
+        raise ConfigError(f"server.tokens_file ({source}): lists no token; list at least one "
+                          "(or leave tokens_file out for no authentication)")
+    server["tokens"] = tokens
+    return source
 
 
 class _StrictLoader(yaml.SafeLoader):

@@ -1,7 +1,8 @@
 """Reloading a running daemon's configuration (SIGHUP, `systemctl reload`).
 
 A restart empties L1 and L2, so what operators change routinely is taken up live:
-`server.tokens` (a token added, revoked or rotated, a tenant's namespaces) and the TLS
+`server.tokens` (a token added, revoked or rotated, a tenant's namespaces; or the file
+`server.tokens_file` names, read again, or another one) and the TLS
 certificate and key (a renewal). The file (and the command line's `--set`s, applied again)
 is read and validated whole; a configuration that fails changes nothing, and the daemon
 goes on with the one it has. Any other key that changed is named in the log as taking
@@ -27,6 +28,7 @@ from hicache.tls import ServerCertificate
 log = logging.getLogger(__name__)
 
 TOKENS = "server.tokens"
+TOKENS_FILE = "server.tokens_file"
 TLS_KEYS = ("server.tls_cert", "server.tls_key")
 
 
@@ -104,16 +106,17 @@ class Reloader:
                                          tls_key=new.server.tls_key)
             applied.append("server.tls_cert/tls_key (to connections opened from now on)")
         tokens_live = bool(old.server.tokens) == bool(new.server.tokens)
-        if TOKENS in changed and tokens_live:
+        if (TOKENS in changed or TOKENS_FILE in changed) and tokens_live:
             self._auth.replace(new.server.tokens)
-            server = dataclasses.replace(server, tokens=new.server.tokens)
+            server = dataclasses.replace(server, tokens=new.server.tokens,
+                                         tokens_file=new.server.tokens_file)
             n = len(new.server.tokens)
             applied.append(f"{TOKENS} ({n} token{'' if n == 1 else 's'})")
         for key in changed:
             if key in TLS_KEYS:
                 if not rotate:
                     restart.append(f"{key} (TLS is set up when the listener binds)")
-            elif key == TOKENS:
+            elif key in (TOKENS, TOKENS_FILE):
                 if not tokens_live:
                     restart.append(f"{key} (authentication is turned on or off at a restart)")
             else:

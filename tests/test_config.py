@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hicache.config import (
@@ -393,3 +395,59 @@ def test_tensor_parallel_rows_hold_every_ranks_shard() -> None:
     gb = ["tiers.l1.size_gb=0.25"]
     assert (2 * load_config(None, ["model.tp_size=2", *gb], env={}).l1_pages
             == load_config(None, gb, env={}).l1_pages)
+
+
+# --------------------------------------------------------------------------- server.tokens_file
+
+SECRET_VALUE = "s3cret-token-value-never-shown"
+
+
+def _tokens_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "tokens.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_tokens_file_holds_the_token_list(tmp_path: Path) -> None:
+    path = _tokens_file(tmp_path, f"- {{token: {SECRET_VALUE}, namespaces: [a, b], name: team-a}}\n"
+                                  f"- {{token: {SECRET_VALUE}-2, namespaces: ['*']}}\n")
+    cfg = load_config(None, [f"server.tokens_file={path}"])
+    assert [(t.token, t.namespaces, t.name) for t in cfg.server.tokens] == [
+        (SECRET_VALUE, ("a", "b"), "team-a"), (f"{SECRET_VALUE}-2", ("*",), None)]
+    assert cfg.server.tokens_file == path
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (f"- {{token: {SECRET_VALUE}, namespaces: []}}\n",
+     r"server.tokens_file \(.*tokens.yaml\): server.tokens\[0\].namespaces: list at least one"),
+    ("- {token: short, namespaces: [a]}\n", r"\[0\].token: must be at least 16 characters"),
+    (f"tokens: [{{token: {SECRET_VALUE}, namespaces: [a]}}]\n", r"must hold a YAML list .* got dict"),
+    ("[]\n", r"lists no token; list at least one"),
+    ("", r"lists no token"),
+    (f"- {{token: '{SECRET_VALUE}\n", r"\(.*tokens.yaml\): not valid YAML"),
+    (f"- {{token: {SECRET_VALUE}, namespaces: [a], {SECRET_VALUE}: 1}}\n", r"unknown key"),
+])
+def test_a_bad_tokens_file_is_named_and_its_tokens_never_shown(tmp_path: Path, text: str, message: str) -> None:
+    path = _tokens_file(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, [f"server.tokens_file={path}"])
+    assert SECRET_VALUE not in str(info.value)
+
+
+def test_tokens_file_errors_of_its_own(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"server.tokens_file: cannot read .*missing.yaml: No such file"):
+        load_config(None, [f"server.tokens_file={tmp_path / 'missing.yaml'}"])
+    with pytest.raises(ConfigError, match=r"server.tokens_file: cannot read .*: not UTF-8"):
+        load_config(None, [f"server.tokens_file={_binary(tmp_path)}"])
+    with pytest.raises(ConfigError, match=r"server\.tokens_file: an empty path"):
+        load_config(None, ["server.tokens_file=''"])
+    path = _tokens_file(tmp_path, f"- {{token: {SECRET_VALUE}, namespaces: [a]}}\n")
+    with pytest.raises(ConfigError, match=r"server\.tokens and server\.tokens_file: give the tokens in one place"):
+        load_config(None, [f"server.tokens_file={path}",
+                           f"server.tokens=[{{token: {SECRET_VALUE}x, namespaces: [a]}}]"])
+
+
+def _binary(tmp_path: Path) -> str:
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe- token")
+    return str(path)

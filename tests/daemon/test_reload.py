@@ -135,6 +135,41 @@ def test_a_namespace_list_narrowed_live_is_enforced(make_daemon: MakeDaemon, tmp
         a.match(tokens(PAGE), "x")
 
 
+def _kubelet_update(secret_dir: Path, files: dict[str, str], generation: int) -> None:
+    """Write `files` as the kubelet updates a mounted Secret: a new timestamped folder,
+    then the `..data` link renamed over the old one (each file a link through it)."""
+    folder = secret_dir / f"..2026_12_03_{generation}"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+        if not (secret_dir / name).is_symlink():
+            (secret_dir / name).symlink_to(f"..data/{name}")
+    (secret_dir / "..data_tmp").symlink_to(folder.name)
+    (secret_dir / "..data_tmp").rename(secret_dir / "..data")
+
+
+def test_a_tokens_file_mounted_from_a_secret_is_read_again(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    """`server.tokens_file` keeps the tokens out of the ConfigMap (and the process list);
+    the kubelet's update of the Secret, then SIGHUP, rotates them."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    _kubelet_update(secret, {"tokens.yaml": f"- {_token(A)}\n"}, 1)
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text(f"server:\n  tokens_file: {secret / 'tokens.yaml'}\n")
+    d = make_daemon(config=cfg)
+    assert _serves(d, A) and not _serves(d, B)
+    # (the kubelet makes the files 0644 unless told otherwise: said at the start)
+    assert "tokens.yaml is server.tokens_file and is readable by every local user" in d.log()
+    _kubelet_update(secret, {"tokens.yaml": f"- {_token(B)}\n"}, 2)
+    _reload(d)
+    assert "configuration reloaded: applied server.tokens (1 token)" in d.log()
+    assert _serves(d, B) and not _serves(d, A)
+    _kubelet_update(secret, {"tokens.yaml": "[]\n"}, 3)  # emptied: refused, B kept
+    _reload(d)
+    assert "lists no token" in d.log() and _serves(d, B)
+    assert A not in d.log() and B not in d.log()
+
+
 def test_a_bad_file_changes_nothing_and_is_counted(make_daemon: MakeDaemon, tmp_path: Path) -> None:
     cfg = _config(tmp_path / "h.yaml", _token(A))
     port = free_port()
@@ -294,8 +329,9 @@ def test_sigusr1_writes_every_threads_stack_and_the_daemon_serves_on(make_daemon
     d = make_daemon()
     assert d.proc is not None
     os.kill(d.proc.pid, signal.SIGUSR1)
-    assert eventually(lambda: "hicache/server.py" in d.log() and "Thread 0x" in d.log()), d.log()
-    assert "in serve" in d.log()  # the main thread, waiting for signals
+    # (read while being written: wait for the main thread's frames, waiting for signals)
+    assert eventually(lambda: "Thread 0x" in d.log() and "in serve" in d.log()), d.log()
+    assert "hicache/server.py" in d.log()
     with d.client(retries=0) as c:
         assert c.serving()
     assert d.stop() == 0
