@@ -26,6 +26,7 @@ from hicache.config import (
 )
 from hicache.endpoint import parse_address
 from hicache.errors import ConfigError, FailedPrecondition, HicacheError
+from hicache.signals import watch_hangups, watch_stack_dumps
 
 log = logging.getLogger("hicache")
 
@@ -132,9 +133,12 @@ def _serve_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from hicache.server import serve, watch_hangups
+    # First (before the server's imports and any file read): a SIGHUP during the start is
+    # a reload once ready, a SIGUSR1 a stack dump (see hicache.signals).
+    hangups = watch_hangups()
+    watch_stack_dumps()
+    from hicache.server import serve
 
-    hangups = watch_hangups()  # (first: one during the start is a reload once ready)
     overrides = _serve_overrides(args)
     cfg = load_config(args.config, overrides)
     _warn_readable_secrets(args.config, cfg)

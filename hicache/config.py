@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import reprlib
+import stat
 import types
 import typing
 import urllib.parse
@@ -467,8 +468,9 @@ class TokenConfig:
 
     def _validate(self, path: str) -> None:
         if self.name is not None and not _TENANT_NAME.fullmatch(self.name):
-            raise ConfigError(f"{path}.name: {_brief(self.name)} must be 1-64 letters, digits, "
-                              "'_', '.' or '-'")
+            # (value hidden: a token put in the name's place by mistake would be shown)
+            raise ConfigError(f"{path}.name: must be 1-64 letters, digits, '_', '.' or '-' "
+                              "(value hidden)")
         if len(self.token) < 16:
             raise ConfigError(f"{path}.token: must be at least 16 characters (value hidden)")
         if len(self.token) > MAX_TOKEN_CHARS:  # (gRPC refuses metadata past 16 KiB: no call would pass)
@@ -812,11 +814,10 @@ def _read_tokens_file(raw: dict[str, Any]) -> str | None:
     if server.get("tokens"):
         raise ConfigError("server.tokens and server.tokens_file: give the tokens in one place, "
                           "not both (values hidden)")
+    data = read_named_file(path, "server.tokens_file", ConfigError, regular=True)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"server.tokens_file: cannot read {source}: {e.strerror}") from None
-    except (UnicodeDecodeError, ValueError):
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
         raise ConfigError(f"server.tokens_file: cannot read {source}: not UTF-8 text") from None
     try:
         tokens = _load_yaml(text)
@@ -1177,10 +1178,16 @@ def header_value(text: str) -> bool:
     return text.isascii() and text.isprintable()
 
 
-def read_named_file(path: str, what: str, error: Callable[[str], Exception]) -> bytes:
+def read_named_file(path: str, what: str, error: Callable[[str], Exception],
+                    regular: bool = False) -> bytes:
     """The bytes of a file that a setting or an option (`what`) names; `error(message)`,
-    naming both, when it cannot be read (a missing file, a directory, a NUL in the name)."""
+    naming both, when it cannot be read (a missing file, a directory, a NUL in the name).
+    `regular`: anything but a regular file (after links) is refused unread: the daemon's
+    own files, where a FIFO or a device would hold the reading thread for good (a pipe is
+    fine for a command's `--token-file <(...)`)."""
     try:
+        if regular and not stat.S_ISREG(os.stat(path).st_mode):
+            raise error(f"{what}={one_line(path)}: not a regular file")
         with open(path, "rb") as fh:
             return fh.read()
     except OSError as e:

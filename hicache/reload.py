@@ -76,6 +76,9 @@ class Reloader:
                 outcome = self._reload()
             except (ConfigError, FailedPrecondition) as e:
                 outcome = ReloadOutcome(error=str(e))
+            except Exception as e:  # (a bug: the daemon serves on, as after any failed reload)
+                log.exception("configuration reload: unexpected error")
+                outcome = ReloadOutcome(error=f"unexpected error: {type(e).__name__}: {e}")
         if outcome.error is not None:
             log.error("configuration reload failed, nothing changed (still serving with the "
                       "configuration in effect): %s", outcome.error)

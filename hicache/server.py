@@ -16,7 +16,6 @@ hop per call (its handlers must not block the event loop).
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import logging
 import os
@@ -41,6 +40,7 @@ from hicache.metrics import Metrics
 from hicache.pb.hicache.v1 import admin_pb2, admin_pb2_grpc, hicache_pb2, hicache_pb2_grpc
 from hicache.reload import Reloader, ReloadOutcome
 from hicache.service import AdminServicer, HiCacheServicer
+from hicache.signals import watch_hangups, watch_stack_dumps
 from hicache.tls import ServerCertificate
 
 log = logging.getLogger("hicache.server")
@@ -361,8 +361,8 @@ def serve(
 ) -> int:
     """Run until SIGTERM/SIGINT (or `stop` is set); return the process exit code. SIGHUP
     reloads the configuration through `load` (`hicache.reload`); it never stops the
-    daemon. `hangups`: the SIGHUPs `watch_hangups` noted before (the process's start), one
-    reload once ready. Raises `FailedPrecondition` (with a message for the operator) when
+    daemon. `hangups`: the SIGHUPs `hicache.signals.watch_hangups` noted before (the
+    process's start), one reload once ready. Raises `FailedPrecondition` (with a message for the operator) when
     it cannot start."""
     endpoint = parse_address(cfg.server.listen)
     check_security(cfg, endpoint)
@@ -377,11 +377,8 @@ def serve(
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: signalled.append(signum))
-        hangups = watch_hangups(hangups)
-        # kill -USR1: every thread's stack to stderr (the journal), written from the
-        # signal itself, so a daemon stuck on a lock can still say where; it serves on.
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
-        faulthandler.enable(all_threads=True)  # (and so does a crash in native code)
+        hangups = watch_hangups(hangups)  # (see hicache.signals)
+        watch_stack_dumps()
     hangups = [] if hangups is None else hangups
     lock = SocketLock(endpoint.path) if endpoint.path is not None else None
     if lock is not None:
@@ -410,10 +407,15 @@ def serve(
             daemon.metrics_port,
             frozen,
         )
+        reloading: threading.Thread | None = None
         while not signalled and not stop.wait(SIGNAL_POLL_S):
-            if hangups:
-                hangups.clear()  # (several at once: one reload reads the latest files)
-                daemon.reload()
+            # A reload runs apart: one stuck reading a file (a hung mount) must not keep
+            # the main thread from a stop. One at a time; several SIGHUPs meanwhile are
+            # one more (it reads the latest files). None once a stop is asked for.
+            if hangups and not signalled and (reloading is None or not reloading.is_alive()):
+                hangups.clear()
+                reloading = threading.Thread(target=daemon.reload, name="reload", daemon=True)
+                reloading.start()
         log.info("hicache daemon stopping")
         daemon.stop()
     finally:
@@ -421,15 +423,6 @@ def serve(
             lock.release()
     log.info("hicache daemon stopped")
     return 0
-
-
-def watch_hangups(hangups: list[int] | None = None) -> list[int]:
-    """Note every SIGHUP in `hangups` (returned; a new list without one) from now on, for
-    `serve` to reload on. By default a SIGHUP (a reload's, a closed terminal's) ended the
-    process at once: no flush, its socket and shared memory left behind. Main thread only."""
-    noted: list[int] = [] if hangups is None else hangups
-    signal.signal(signal.SIGHUP, lambda signum, _frame: noted.append(signum))
-    return noted
 
 
 def freeze_startup_heap() -> int:

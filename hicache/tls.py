@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+from concurrent import futures
 
 import grpc
 
@@ -26,8 +27,8 @@ def _no_passphrase() -> str:
 def load_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
     """The PEM (certificate chain, private key) at these paths, checked to be a usable,
     matching pair; `FailedPrecondition` naming what is wrong otherwise."""
-    cert = read_named_file(cert_path, "server.tls_cert", FailedPrecondition)
-    key = read_named_file(key_path, "server.tls_key", FailedPrecondition)
+    cert = read_named_file(cert_path, "server.tls_cert", FailedPrecondition, regular=True)
+    key = read_named_file(key_path, "server.tls_key", FailedPrecondition, regular=True)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(cert_path, key_path, password=_no_passphrase)
@@ -41,13 +42,33 @@ def load_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
         ) from None
     # Checked from the paths, served from the bytes: the same only if nothing replaced
     # the files in between (a renewal half done).
-    if (read_named_file(cert_path, "server.tls_cert", FailedPrecondition) != cert
-            or read_named_file(key_path, "server.tls_key", FailedPrecondition) != key):
+    if (read_named_file(cert_path, "server.tls_cert", FailedPrecondition, regular=True) != cert
+            or read_named_file(key_path, "server.tls_key", FailedPrecondition, regular=True) != key):
         raise FailedPrecondition(
             f"server.tls_cert/tls_key: {cert_path} or {key_path} changed while being read "
             "(a renewal under way?); reload again once it is done"
         )
+    _check_grpc_takes(cert, key, cert_path, key_path)
     return cert, key
+
+
+def _check_grpc_takes(cert: bytes, key: bytes, cert_path: str, key_path: str) -> None:
+    """gRPC's TLS (BoringSSL) takes fewer key types than Python's OpenSSL (no secp256k1,
+    for one): a pair only OpenSSL takes would fail every handshake (served, it kept the
+    old certificate). A listener of a server never started, on a free loopback port, is
+    where gRPC says whether it takes the pair."""
+    probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    try:
+        port = probe.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    except RuntimeError:
+        port = 0
+    finally:
+        probe.stop(None)
+    if not port:
+        raise FailedPrecondition(
+            f"server.tls_cert/tls_key: gRPC cannot serve {cert_path} with {key_path} (its TLS "
+            "takes RSA, ECDSA P-256/P-384/P-521 and Ed25519 keys)"
+        )
 
 
 class ServerCertificate:

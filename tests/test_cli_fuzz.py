@@ -94,9 +94,11 @@ def serve_without_a_server(argv: list[str]) -> tuple[Run, list[Any]]:
     started: list[Any] = []
     fake_server = types.ModuleType("hicache.server")
     fake_server.serve = lambda cfg, **_: started.append(cfg) or 0  # type: ignore[attr-defined]
-    fake_server.watch_hangups = list  # type: ignore[attr-defined]  # (no handler in the test process)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "hicache.server", fake_server)
+        # (the test process's own signals stay as they are)
+        mp.setattr("hicache.cli.watch_hangups", list)
+        mp.setattr("hicache.cli.watch_stack_dumps", lambda: None)
         mp.setattr("hicache.allocator.tune", lambda: None)
         return run_main(argv), started
 

@@ -17,7 +17,7 @@ from hicache import convert, errors
 from hicache.auth import ANONYMOUS, Authenticator
 from hicache.client import Client, insert_op, match_op, release_op
 from hicache.client_errors import error_for, op_error
-from hicache.config import ConfigError, TokenConfig, load_config
+from hicache.config import ConfigError, HicacheConfig, TokenConfig, load_config
 from hicache.controller.base import AllocateRequest, PoolUsage, StatsSnapshot
 from hicache.controller.controller import build_controller
 from hicache.endpoint import parse_address
@@ -277,7 +277,7 @@ def test_authenticator_labels_hold_across_replacements() -> None:
 
 
 def test_token_names_are_validated() -> None:
-    with pytest.raises(ConfigError, match=r"server.tokens\[0\].name: .* must be 1-64 letters"):
+    with pytest.raises(ConfigError, match=r"server.tokens\[0\].name: must be 1-64 letters.*hidden"):
         load_config(None, ['server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x], name: "t#1"}]'])
     with pytest.raises(ConfigError, match=r"server.tokens\[0\].name"):
         load_config(None, ["server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x], name: ''}]"])
@@ -306,6 +306,19 @@ def test_reloader_applies_all_or_nothing() -> None:
     third = reloader.reload()
     assert third.applied == () and _who(auth, "b" * 16) == "token#1"
     assert "server.tokens (authentication is turned on or off at a restart)" in third.restart_needed
+
+
+def test_a_reload_that_raises_unexpectedly_is_a_failed_reload() -> None:
+    """Whatever the loader raises, the daemon's main thread (which runs reloads) goes on."""
+    base = load_config(None, ["server.tokens=[{token: aaaaaaaaaaaaaaaa, namespaces: [x]}]"])
+    auth = Authenticator(base.server.tokens)
+
+    def broken() -> HicacheConfig:
+        raise OSError("disk on fire")
+
+    outcome = Reloader(base, broken, auth, None).reload()
+    assert not outcome.ok and "OSError: disk on fire" in (outcome.error or "")
+    assert _who(auth, "a" * 16) == "token#0"
 
 
 def test_changed_keys_name_leaves() -> None:
