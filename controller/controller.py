@@ -341,7 +341,7 @@ class HybridCacheController(CacheService):
                         base, known, lead, in_tree = storage_base, known + in_tree, in_tree, 0
                         beyond, run = after, past
                 fetch = run
-                budget = self.prefetcher.budget_left()
+                budget = self.prefetcher.budget_left(engine_id)
                 if req.prefetch and len(self.tree.components) > 1 and 0 < budget < run:
                     # Over the prefetch budget: stop at the deepest boundary a hybrid model
                     # can reuse (an earlier checkpoint), not at a page it could not use.

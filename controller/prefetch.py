@@ -48,6 +48,9 @@ MAX_WALK_BACK = 64  # boundaries tried below the FULL run for a hybrid model's L
 # deadline): for the L2 pages they hold, when L2 had no other room, and, before reading
 # pages, for their writes.
 WRITES_WAIT_S = 5.0
+# For this long after an engine was refused a prefetch for want of budget, the engines
+# share the budget (`budget_left`).
+FAIR_SHARE_WINDOW_S = 5.0
 
 
 @dataclass(eq=False)
@@ -146,6 +149,9 @@ class Prefetcher:
         self._rng = random.SystemRandom()
         self._keep = keep_finished
         self._reserved_pages = 0
+        self._held: dict[str, int] = {}  # pages reserved by each engine's running ops
+        # Engines refused a prefetch for want of budget lately (the last time), oldest first.
+        self._refused: OrderedDict[str, float] = OrderedDict()
         self.running = 0  # ops started and not finished (caller holds the mutex to read)
 
     def start(self) -> None:
@@ -160,10 +166,35 @@ class Prefetcher:
         with self.ctl._mu:
             return self._ops.get(op_id)
 
-    def budget_left(self) -> int:
-        """Host pages a new prefetch may still reserve (read without the mutex: a hint)."""
+    def budget_left(self, owner: str | None = None) -> int:
+        """Host pages a new prefetch (of engine `owner`) may still reserve (read without
+        the mutex: a hint). While another engine was refused one for want of budget in
+        the last `FAIR_SHARE_WINDOW_S`, the engines waiting or holding reservations share
+        it, each an equal part: one engine's stream of prefetches no longer keeps every
+        other's from starting (it had all of it, taken again as each of its prefetches
+        ended). With no other engine waiting, an engine may take all of it."""
         total = self.ctl.host.allocator(FULL).total
-        return int(self.ctl.cfg.tiers.l2.prefetch_fraction * total) - self._reserved_pages
+        budget = int(self.ctl.cfg.tiers.l2.prefetch_fraction * total)
+        left = budget - self._reserved_pages
+        if owner is None:
+            return left
+        waiting = [o for o, at in list(self._refused.items())
+                   if o != owner and time.monotonic() - at <= FAIR_SHARE_WINDOW_S]
+        if not waiting:
+            return left
+        sharing = len({owner, *waiting, *self._held})
+        return min(left, budget // sharing - self._held.get(owner, 0))
+
+    def _note_refused(self, owner: str) -> None:
+        """`owner` was refused a prefetch for want of budget (caller holds the mutex)."""
+        now = time.monotonic()
+        self._refused[owner] = now
+        self._refused.move_to_end(owner)
+        while self._refused:
+            oldest, at = next(iter(self._refused.items()))
+            if now - at <= FAIR_SHARE_WINDOW_S:
+                break
+            del self._refused[oldest]
 
     def reserved(self, kind: ComponentKind) -> list[np.ndarray]:
         out = []
@@ -234,13 +265,14 @@ class Prefetcher:
         cfg = self.ctl.cfg
         ps = cfg.model.page_size
         want = len(hashes) // PAGE_HASH_BYTES
-        n = min(want, self.budget_left())
+        n = min(want, self.budget_left(owner))
         if n <= 0 or (n < want and len(self.tree.components) > 1):
             # A hybrid model's `hashes` end at a boundary L3 can resume from (the caller
             # chose it under the budget it read without the mutex); cut shorter (another
             # prefetch reserved meanwhile), they would end where no checkpoint or window
             # is: every read wasted, the op FAILED with nothing reusable.
             self.ctl.counters["prefetch_refused_budget"] += 1
+            self._note_refused(owner)
             return 0
         # Pinned before reserving: the reservation evicts L2, and `tail` may lie past the
         # caller's lock (a hybrid boundary whose checkpoint or window only L3 holds).
@@ -275,6 +307,7 @@ class Prefetcher:
         )
         op.pin = pin
         self._reserved_pages += n
+        self._held[owner] = self._held.get(owner, 0) + n
         self.running += 1
         self._ops[op.op_id] = op
         self._forget_finished(self._tenant_of(owner), op.op_id)
@@ -649,6 +682,11 @@ class Prefetcher:
             self.ctl.transfers.free_l2(kind, left)
             op.host[kind] = ids[:0]
         self._reserved_pages -= op.pages_total
+        held = self._held.get(op.owner, 0) - op.pages_total
+        if held > 0:
+            self._held[op.owner] = held
+        else:
+            self._held.pop(op.owner, None)
         self.running -= 1
         op.finished = True
         # Kept (up to keep_finished) only to answer PrefetchStatus: not its prompt and

@@ -167,7 +167,7 @@ def test_a_hybrid_prefetch_whose_budget_shrank_after_the_match_read_it_is_refuse
     refused (`prefetch_refused_budget`) and reads nothing."""
     ctl, _ = _two_boundaries_only_in_l3(make)
     seen = iter([100, 6])  # the match's read, then start_op's under the mutex
-    monkeypatch.setattr(ctl.prefetcher, "budget_left", lambda: next(seen))
+    monkeypatch.setattr(ctl.prefetcher, "budget_left", lambda owner=None: next(seen))
     refused = ctl.counters["prefetch_refused_budget"]
     read = ctl.stats().l3[0].bytes_read
     m = ctl.match("e1", MatchRequest("", seq(8), lock=True, prefetch=True))
