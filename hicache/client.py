@@ -248,6 +248,7 @@ class Client:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._metadata: tuple[tuple[str, str], ...] = self._auth
+        self._metadata_mu = threading.Lock()  # (set_token and attach rebuild the metadata)
         self._stub = pb_grpc.HiCacheStub(self._channel)
         self._admin = apb_grpc.AdminStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -405,6 +406,18 @@ class Client:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
+    def set_token(self, token: str | None) -> None:
+        """Present `token` from the next call on (calls under way keep the old one): a
+        rotation without a new connection. With the old and new values listed under one
+        `name` in the daemon's `server.tokens`, this engine keeps its locks, allocations
+        and sessions; the heartbeat goes on with the new value."""
+        if token and not header_value(token):
+            raise InvalidArgument("token: printable ASCII only, one line (value hidden)")
+        auth: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        with self._metadata_mu:
+            self._metadata = (*auth, *self._metadata[len(self._auth):])
+            self._auth = auth
+
     def close(self) -> None:
         self._closed = True
         self._heartbeat_stop.set()
@@ -449,7 +462,8 @@ class Client:
         # Every later call names this run of the daemon: after a restart, calls through
         # this attachment's (gone) pools are refused until `attach()` maps the new ones.
         run = ((RUN_HEADER, info.daemon_run),) if info.daemon_run else ()
-        self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id), *run)
+        with self._metadata_mu:
+            self._metadata = (*self._auth, (ENGINE_HEADER, self.engine_id), *run)
         self._keep_lease(info)  # before mapping, which may outlast a short lease
         pools: dict[str, tuple[torch.Tensor, ...]] = {}
         if map_pools:

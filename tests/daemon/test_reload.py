@@ -121,6 +121,33 @@ def test_a_named_tenant_keeps_its_engine_across_a_token_rotation(
     assert not _serves(d, A) and _serves(d, B)
 
 
+def test_an_engine_rotates_its_token_in_place(make_daemon: MakeDaemon, tmp_path: Path) -> None:
+    """`Client.set_token`: the same client, connection and heartbeat, the new value from
+    the next call; under one `name` the engine's lock survives the old value's removal."""
+    from hicache.errors import InvalidArgument
+
+    cfg = _config(tmp_path / "h.yaml", _token(A, name="team-a"))
+    d = make_daemon(config=cfg)
+    prompt = tokens(PAGE, start=40_000)
+    with d.client(token=A, engine_id="engine-r") as c:
+        c.attach(map_pools=False)
+        m = c.match(prompt, "x", lock=True, allocate_tokens=PAGE)
+        _config(cfg, _token(A, name="team-a"), _token(B, name="team-a"))
+        _reload(d)
+        c.set_token(B)
+        _config(cfg, _token(B, name="team-a"))
+        _reload(d)
+        assert c.heartbeat().locks == 1
+        c.insert(prompt, "x", lock_id=m.lock_id, allocation_id=m.allocation_id)
+        assert c.match(prompt, "x").device_tokens == PAGE
+        with pytest.raises(InvalidArgument, match="value hidden"):
+            c.set_token("two\nlines-of-token-value")
+        c.set_token(A)  # (the old value, no longer listed)
+        with pytest.raises(Unauthenticated):
+            c.heartbeat()
+    assert not _serves(d, A)
+
+
 def test_a_namespace_list_narrowed_live_is_enforced(make_daemon: MakeDaemon, tmp_path: Path) -> None:
     from hicache.errors import PermissionDenied
 
