@@ -382,6 +382,8 @@ class HybridCacheController(CacheService):
                         engine_id, req.namespace, max(0, req.allocate_tokens - m.device_tokens),
                         start,
                     )
+                    if lock_id:  # (a Load of this lock lands in the allocation's first pages)
+                        self._engines.lock(engine_id, lock_id).allocation_id = alloc_id
                 # `base` (the storage boundary) lies beyond the lock when a hybrid model's
                 # window or checkpoint is only in L3: an eviction while the mutex was free
                 # may have deleted it, and then there is nothing to continue from.
@@ -730,8 +732,21 @@ class HybridCacheController(CacheService):
             self._engines.renew(engine_id)
             record = self._engines.lock(engine_id, lock_id)
             self._request_moves_on(lock_id)
-            op = self.transfers.plan_load(record.tree_lock)
+            op = self.transfers.plan_load(record.tree_lock, self._lendable_allocation(record))
         yield from self.transfers.run_load(op, record.tree_lock)
+
+    def _lendable_allocation(self, record: LockRecord) -> AllocationRecord | None:
+        """The allocation the lock's match made, while it still starts at the lock's
+        device boundary (caller holds the mutex): its first pages stand for the L2 part
+        a Load brings (`Transfers.plan_load`)."""
+        if not record.allocation_id:
+            return None
+        try:
+            alloc = self._engines.allocation(record.engine_id, record.allocation_id, record.namespace)
+        except (NotFound, InvalidArgument):
+            return None
+        device = self.tree.depth_tokens(record.tree_lock.device_end) // self._ps
+        return alloc if alloc.start_page == device else None
 
     # ------------------------------------------------------------------ prefetch
 

@@ -32,6 +32,7 @@ class LockRecord:
     tree_lock: TreeLock
     session_id: str
     since: int = 0  # the tree's session clock at the match (`HiRadixTree.session_clock`)
+    allocation_id: int = 0  # the allocation the same match made (a Load may use its pages)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AllocationRecord:
     # Pages a keep_lock Insert did not commit (the tree held those tokens already) that
     # the running request still reads its KV from: freed with the allocation, not before.
     retired: dict[ComponentKind, list[np.ndarray]] = field(default_factory=dict)
+    handle: int = 0  # its allocation_id, once registered
 
 
 @dataclass
@@ -196,8 +198,13 @@ class EngineRegistry:
                            "the handles of the process that asked are gone")
         alloc_id = self.new_id()
         self._allocations[alloc_id] = record
+        record.handle = alloc_id
         engine.allocations.add(alloc_id)
         return alloc_id
+
+    def holds(self, record: AllocationRecord) -> bool:
+        """Whether `record` is still a live allocation (not released, consumed or lapsed)."""
+        return self._allocations.get(record.handle) is record
 
     def allocation(self, engine_id: str, alloc_id: int, namespace: str | None = None) -> AllocationRecord:
         """The engine's allocation; with `namespace`, InvalidArgument when it was made in

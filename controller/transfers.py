@@ -32,7 +32,7 @@ from hicache.types import ComponentKind, PageHash, Tier, WritePolicy
 if TYPE_CHECKING:
     from hicache.config import MemberSpec
     from hicache.controller.controller import HybridCacheController
-    from hicache.controller.engines import EngineRegistry
+    from hicache.controller.engines import AllocationRecord, EngineRegistry
     from hicache.controller.storage_io import Writing
     from hicache.tiers.base import CopyEngine, LayerCallback
 
@@ -71,11 +71,27 @@ class LoadOp:
     done: bool = False
     error: BaseException | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
+    # Pages the request's own allocation lent as the copy's L1 pages (see `plan_load`).
+    lent: LentPages | None = None
 
     def layer_done(self, layer: int) -> None:
         with self.cond:
             self.layers_ready = max(self.layers_ready, layer + 1)
             self.cond.notify_all()
+
+
+@dataclass(eq=False)
+class LentPages:
+    """The first `pages` (per paged kind) of a request's allocation, taken by its Load as
+    the L1 pages the loaded part lands in: the allocation already stood for those token
+    pages, and the engine was to write them there. Those no move uses (SWA outside its
+    window) are `unused`. A load that fails gives them all back (`give_back`)."""
+
+    allocation: AllocationRecord
+    start_page: int  # where the allocation started when they were taken
+    pages: dict[ComponentKind, np.ndarray]
+    unused: dict[ComponentKind, np.ndarray]
+    lent_to: set[tuple[int, ComponentKind]]  # (id(node), kind) of the moves they back
 
 
 @dataclass
@@ -1025,11 +1041,17 @@ class Transfers:
 
     # ------------------------------------------------------------------ load
 
-    def plan_load(self, lock: TreeLock) -> LoadOp:
+    def plan_load(self, lock: TreeLock, lend: AllocationRecord | None = None) -> LoadOp:
         """Caller holds the mutex. Reserve L1 pages for every slot of the lock's path that
         only L2 holds. Slots another load is copying are waited for (with the mutex
         released, at most LOAD_WAIT_S), not copied twice: two engines loading one path
-        evict for one copy. The op stays registered until `run_load` lands or frees it."""
+        evict for one copy. The op stays registered until `run_load` lands or frees it.
+
+        `lend`: the request's allocation, from its match (MatchPrefix with allocate_tokens
+        allocates from the device boundary on: the L2 part too). Where its first pages
+        stand for exactly the token pages the load brings, those are the copy's L1 pages
+        (`_lendable`): before, the load took as many again, and a request that fit L1
+        could not load its L2 part (RESOURCE_EXHAUSTED), or evicted for it."""
         deadline = time.monotonic() + LOAD_WAIT_S
         while True:
             wanted = self._wanted_in_l1(self.tree.lock_path(lock))
@@ -1039,10 +1061,12 @@ class Transfers:
             if left > 0 and any((id(node), kind) in copying for node, kind, _ in wanted):
                 self.landed.wait(min(left, 0.05))
             else:
+                lendable = self._lendable(wanted, lend) if lend is not None else None
+                rest = [w for w in wanted if lendable is None or (id(w[0]), w[1]) not in lendable]
                 # One allocation for the whole load: a load that cannot fit fails before
                 # evicting anything (node by node, each part fitted and evicted first).
                 seen = self._load_events
-                got = self.allocate_l1_all(_pages_needed(wanted))
+                got = self.allocate_l1_all(_pages_needed(rest))
                 if self._load_events == seen or left <= 0:
                     break
                 # The allocation waited (mutex released) and another load planned or
@@ -1057,16 +1081,122 @@ class Transfers:
                 self.free_l1(kind, ids)
             raise NotFound("the lock was released while its load waited for room")
         layers = max((m.layers for m in self.cfg.model.family(FULL)), default=1)
-        op = LoadOp(_moves_into(wanted, got), layers)
+        lent = None
+        if lendable is not None and lend is not None and self._still_lendable(lend, lendable):
+            lent = self._borrow(lend, lendable)
+            moves = _moves_into(rest, got) + [
+                (node, kind, host_ids, lendable[(id(node), kind)][1])
+                for node, kind, host_ids in wanted if (id(node), kind) in lendable]
+        elif lendable is not None:
+            # The allocation was released or used while the room for the rest was found
+            # (the mutex released): the engine moved on from this request.
+            for kind, ids in got.items():
+                self.free_l1(kind, ids)
+            raise NotFound("the request's allocation was released or used while its load "
+                           "waited for room")
+        else:
+            moves = _moves_into(wanted, got)
+        op = LoadOp(moves, layers, lent=lent)
         if op.moves:
             self._loads.add(op)
             self._load_events += 1
+        elif lent is not None:  # (nothing to copy after all: they go back)
+            self.give_back(lent)
         return op
+
+    def _lendable(self, wanted: _Wanted, lend: AllocationRecord,
+                  ) -> dict[tuple[int, ComponentKind], tuple[int, np.ndarray]] | None:
+        """Caller holds the mutex. For each paged slot of `wanted`, (its first token page
+        counted from the allocation's start, the allocation's pages that stand for it),
+        when the FULL slots are exactly the allocation's first pages, in order, and every
+        other paged slot lies among them; None otherwise (the load takes pages of its own)."""
+        ps = self.cfg.model.page_size
+        full = [(node, ids) for node, kind, ids in wanted if kind is FULL]
+        if not full or set(self._paged_kinds()) - set(lend.pages):
+            return None
+        out: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]] = {}
+        at = 0
+        for node, ids in full:
+            lo = self.tree.depth_tokens(node) // ps - len(ids) - lend.start_page
+            if lo != at:
+                return None
+            at += len(ids)
+        if at > len(lend.pages[FULL]):
+            return None
+        for node, kind, ids in wanted:
+            if kind not in lend.pages:  # (MAMBA: a checkpoint slot, not a page)
+                continue
+            lo = self.tree.depth_tokens(node) // ps - len(ids) - lend.start_page
+            if lo < 0 or lo + len(ids) > at:
+                return None
+            out[(id(node), kind)] = (lo, lend.pages[kind][lo : lo + len(ids)])
+        return out
+
+    def _paged_kinds(self) -> list[ComponentKind]:
+        return [k for k in self.ctl._kinds if k is not MAMBA]
+
+    def _still_lendable(self, lend: AllocationRecord,
+                        lendable: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]]) -> bool:
+        """After a wait with the mutex released: the allocation still holds those pages."""
+        return self.ctl._engines.holds(lend) and all(
+            lo + len(ids) <= len(lend.pages[kind])
+            and np.array_equal(lend.pages[kind][lo : lo + len(ids)], ids)
+            for (_, kind), (lo, ids) in lendable.items())
+
+    def _borrow(self, lend: AllocationRecord,
+                lendable: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]]) -> LentPages:
+        """Take the allocation's first pages (as many as the FULL slots load) for the op."""
+        n = sum(len(ids) for (_, kind), (_, ids) in lendable.items() if kind is FULL)
+        taken = {kind: lend.pages[kind][:n] for kind in lend.pages}
+        used: dict[ComponentKind, np.ndarray] = {}
+        for (_, kind), (lo, ids) in lendable.items():
+            mark = used.setdefault(kind, np.zeros(n, dtype=bool))
+            mark[lo : lo + len(ids)] = True
+        unused = {kind: ids[~used[kind]] if kind in used else ids for kind, ids in taken.items()}
+        lent = LentPages(lend, lend.start_page, taken, unused, set(lendable))
+        for kind in lend.pages:
+            lend.pages[kind] = lend.pages[kind][n:]
+        lend.start_page += n
+        return lent
+
+    def _unlanded(self, lent: LentPages | None) -> Callable[[ComponentKind, np.ndarray], None]:
+        """Where L1 pages of a load that did not land (or that no move used) go: freed,
+        but the allocation's own (lent) pages stay with it while it lives, retired (freed
+        with it): the engine holds their ids, and until the allocation ends no other
+        request may get them."""
+        if lent is None:
+            return self.free_l1
+        alloc = lent.allocation
+        mine = {kind: set(ids.tolist()) for kind, ids in lent.pages.items()}
+
+        def unlanded(kind: ComponentKind, ids: np.ndarray) -> None:
+            if kind in mine and self.ctl._engines.holds(alloc) and mine[kind].issuperset(ids.tolist()):
+                alloc.retired.setdefault(kind, []).append(ids)
+            else:
+                self.free_l1(kind, ids)
+
+        return unlanded
+
+    def give_back(self, lent: LentPages) -> None:
+        """Caller holds the mutex. A load that lands nothing returns the pages it took:
+        to the allocation if it is still the engine's and has not moved on since (the
+        engine may then compute those tokens there, as it would have), else freed."""
+        alloc = lent.allocation
+        n = len(lent.pages[FULL])
+        if self.ctl._engines.holds(alloc) and alloc.start_page == lent.start_page + n:
+            for kind, ids in lent.pages.items():
+                alloc.pages[kind] = np.concatenate([ids, alloc.pages[kind]])
+            alloc.start_page = lent.start_page
+        else:
+            for kind, ids in lent.pages.items():
+                self.free_l1(kind, ids)
 
     def loading_pages(self, kind: ComponentKind) -> list[np.ndarray]:
         """Caller holds the mutex. The L1 pages of `kind` running loads copy into (not
         evictable, owned by the load until it lands)."""
-        return [dev for op in self._loads for _, k, _, dev in op.moves if k is kind]
+        return ([dev for op in self._loads for _, k, _, dev in op.moves if k is kind]
+                + [op.lent.unused[kind] for op in self._loads
+                   if op.lent is not None and kind in op.lent.unused])
 
     def _end_load(self, op: LoadOp) -> None:
         """Caller holds the mutex. The op landed or freed its pages."""
@@ -1103,13 +1233,16 @@ class Transfers:
         for kind, host, dev in sorted(families, key=lambda f: f[0] is FULL):
             self.copier.host_to_device(kind, host, dev, on_layer=on_layer if kind is FULL else None)
 
-    def land_in_l1(self, moves: list[L1Move]) -> int:
+    def land_in_l1(self, moves: list[L1Move],
+                   unlanded: Callable[[ComponentKind, np.ndarray], None] | None = None) -> int:
         """Caller holds the mutex. Copied moves become L1-resident; returns the FULL
         pages that did. A slot that L1 holds already (a concurrent load or insert got
         there first), whose L2 pages are no longer the ones copied, or (FULL) whose parent
-        is not in L1 (L1 holds prefixes), frees its L1 pages. Moves land root first.
+        is not in L1 (L1 holds prefixes), frees its L1 pages (or hands them to
+        `unlanded`). Moves land root first.
         NOTE: a match may have split a node meanwhile; the object is the tail, its new
         parents hold the head of the copied span (`_span`)."""
+        free = unlanded or self.free_l1
         landed = 0
         for node, kind, host_ids, dev in sorted(moves, key=lambda m: m[1] is not FULL):
             parts = [(node, 0, len(dev))] if kind is MAMBA else self._span(node, len(dev))
@@ -1123,7 +1256,7 @@ class Transfers:
                     self.tree.set_resident(part, kind, Tier.DEVICE, dev[lo:hi])
                     landed += (hi - lo) if kind is FULL else 0
                 else:
-                    self.free_l1(kind, dev[lo:hi])
+                    free(kind, dev[lo:hi])
         return landed
 
     def _pages_in(self, node: object) -> int:
@@ -1145,13 +1278,31 @@ class Transfers:
                         op.cond.wait()
         with self.ctl._mu:
             if op.error is not None:
-                for _, kind, _, dev in op.moves:
-                    self.free_l1(kind, dev)
+                lent = op.lent
+                for node, kind, _, dev in op.moves:
+                    if lent is None or (id(node), kind) not in lent.lent_to:
+                        self.free_l1(kind, dev)
+                if lent is not None:
+                    self.give_back(lent)
                 self._end_load(op)
                 if abandoned:
                     return
                 raise op.error
-            self.stats["loaded_pages"] += self.land_in_l1(op.moves)
+            moves = op.moves
+            lent = op.lent
+            if lent is not None:
+                if (abandoned or not lock.active) and self.ctl._engines.holds(lent.allocation):
+                    # The engine will not learn where the part landed (it stopped
+                    # listening; its lock went): its allocation keeps the pages it had for
+                    # those tokens, to compute them there. (Landed, the tree would own
+                    # pages the engine writes to.) The rest lands as ever.
+                    moves = [m for m in moves if (id(m[0]), m[1]) not in lent.lent_to]
+                    self.give_back(lent)
+                else:  # (SWA's pages outside its window: the engine holds their ids too)
+                    keep = self._unlanded(lent)
+                    for kind, ids in lent.unused.items():
+                        keep(kind, ids)
+            self.stats["loaded_pages"] += self.land_in_l1(moves, self._unlanded(lent))
             self._end_load(op)
             if abandoned:
                 return  # the copy is kept; the lock (maybe released by now) is not touched

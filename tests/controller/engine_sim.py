@@ -275,6 +275,31 @@ class Engine:
         return m
 
 
+def in_l2_only(ctl, eng: Engine, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
+    """One request for `tokens` (write-through to L2), then L1 emptied."""
+    eng.request(tokens)
+    evict_all(ctl, Tier.DEVICE)
+
+
+def l1_full(ctl) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(FULL pages the tree holds in L1, free FULL pages of L1)."""
+    with ctl._mu:
+        return (ctl.tree.resident_pages(Tier.DEVICE, ComponentKind.FULL),
+                ctl.device.allocator(ComponentKind.FULL).free_count)
+
+
+def l2_prefix_request(ctl, eng: Engine, base: int, tail_base: int,  # type: ignore[no-untyped-def]
+                      engine_id: str = "e1") -> tuple[bytes, bytes, MatchOutcome]:
+    """8 pages only L2 holds (from `base`), then a request for them and 4 new pages
+    (from `tail_base`): its locked match with an allocation for all 12 (the L2 part
+    included). Returns (the prefix, the prompt, the match)."""
+    prefix = seq(8, base=base)
+    in_l2_only(ctl, eng, prefix)
+    prompt = prefix + seq(4, base=tail_base)
+    m = ctl.match(engine_id, MatchRequest("", prompt, lock=True, allocate_tokens=len(prompt) // 4))
+    return prefix, prompt, m
+
+
 def flushed(ctl, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
     """Flush, then check `tokens`' pages are recorded in L3 (a flush returns the pages it
     wrote itself, none when write-through already did: no check)."""

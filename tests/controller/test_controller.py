@@ -369,11 +369,11 @@ def test_a_load_that_leaves_a_window_behind_fails_instead_of_reporting_the_bound
     assert m.host_tokens == 16
     real = ctl.transfers.land_in_l1
 
-    def without_swa(moves):
+    def without_swa(moves, unlanded=None):
         for _, kind, _, dev in moves:
             if kind is ComponentKind.SWA:
-                ctl.transfers.free_l1(kind, dev)
-        return real([move for move in moves if move[1] is not ComponentKind.SWA])
+                (unlanded or ctl.transfers.free_l1)(kind, dev)
+        return real([move for move in moves if move[1] is not ComponentKind.SWA], unlanded)
 
     ctl.transfers.land_in_l1 = without_swa  # type: ignore[method-assign]
     with pytest.raises(FailedPrecondition, match="match again"):

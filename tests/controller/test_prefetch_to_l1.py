@@ -142,8 +142,8 @@ def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(mak
     monkeypatch.setattr(copier, "host_to_device", slow_on_the_worker)
     land = ctl.transfers.land_in_l1
 
-    def audited(moves):
-        landed = land(moves)
+    def audited(moves, unlanded=None):
+        landed = land(moves, unlanded)
         ctl.tree.check_integrity()  # raises on an L1 node under a parent outside L1
         return landed
 

@@ -152,6 +152,8 @@ class Held:
     ns: str
     pages: dict[str, set[int]]
     tokens: bytes = b""
+    # A lock's: the allocation its match made, whose first pages a Load lands in.
+    partner: Any = None
 
 
 @dataclass
@@ -524,6 +526,8 @@ class Fuzzer:
                 t.seen_allocs.append((*who, resp.allocation_id, req.namespace))
                 t.allocs[key] = Held(req.namespace, pages)
                 self.check_disjoint(t, call, key, pages)
+                if resp.lock_id:
+                    t.locks[(*who, resp.lock_id)].partner = key
             elif resp.pages:
                 self.fail("reply", call, "pages without an allocation")
             if resp.prefetch_id:
@@ -771,6 +775,10 @@ class Fuzzer:
         key = (*who, req.lock_id)
         if key in t.locks:
             t.locks[key].pages = pages
+            partner = t.allocs.get(t.locks[key].partner)
+            if partner is not None:  # (its first pages now hold the loaded part: the lock's)
+                for member, ids in pages.items():
+                    partner.pages[member] = partner.pages.get(member, set()) - ids
             self.check_disjoint(t, call, key, pages)
 
     def admin_call(self, t: Thread) -> None:

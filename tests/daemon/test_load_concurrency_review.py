@@ -32,7 +32,16 @@ from hicache.types import ComponentKind, Tier
 from .daemonkit import Daemon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "controller"))
-from engine_sim import CopyGate, Engine, Loader, built_controllers, evict_all, seq
+from engine_sim import (
+    CopyGate,
+    Engine,
+    Loader,
+    built_controllers,
+    in_l2_only,
+    l1_full,
+    l2_prefix_request,
+    seq,
+)
 
 FULL, MAMBA = ComponentKind.FULL, ComponentKind.MAMBA
 _instances = itertools.count()
@@ -47,16 +56,8 @@ def make_ctl(tmp_path: Path) -> Iterator[Callable[..., object]]:
         yield factory
 
 
-def in_l2_only(ctl, eng: Engine, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
-    """One request for `tokens` (write-through to L2), then L1 emptied."""
-    eng.request(tokens)
-    evict_all(ctl, Tier.DEVICE)
 
 
-def l1_full(ctl) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """(FULL pages the tree holds in L1, free FULL pages of L1)."""
-    with ctl._mu:
-        return ctl.tree.resident_pages(Tier.DEVICE, FULL), ctl.device.allocator(FULL).free_count
 
 
 # ---------------------------------------------------------------------- controller: bugs
@@ -132,10 +133,8 @@ def test_the_ownership_audit_holds_while_a_load_copies(make_ctl) -> None:
     in_l2_only(ctl, eng, seq(4))
     m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
     gate = CopyGate(ctl)
-    loader = Loader(ctl, "e1", m.lock_id)
-    loader.start()
     try:
-        gate.wait_reached(1)
+        loader = gate.held_load("e1", m.lock_id)
         ctl.check_integrity()  # "DEVICE full: 4 pages allocated, 0 owned (leak)"
     finally:
         gate.restore()
@@ -149,10 +148,8 @@ def test_stats_count_a_running_loads_pages_as_locked(make_ctl) -> None:
     in_l2_only(ctl, eng, seq(4))
     m = ctl.match("e1", MatchRequest("", seq(4), lock=True))
     gate = CopyGate(ctl)
-    loader = Loader(ctl, "e1", m.lock_id)
-    loader.start()
     try:
-        gate.wait_reached(1)
+        loader = gate.held_load("e1", m.lock_id)
         (dev,) = [p for p in ctl.stats().pools if p.tier == "device"]
         assert dev.used_pages == 4
         assert dev.locked_pages == dev.used_pages  # nothing in L1 is evictable now
@@ -162,28 +159,92 @@ def test_stats_count_a_running_loads_pages_as_locked(make_ctl) -> None:
         ctl.release("e1", m.lock_id, None)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Load after MatchPrefix(allocate_tokens) reserves "
-                   "fresh L1 pages for the host part although the request's own allocation "
-                   "holds pages for exactly those tokens: a request that fits L1 cannot load")
 def test_a_request_that_fits_l1_can_load_its_l2_prefix(make_ctl) -> None:
     """The API's request life: MatchPrefix(lock, allocate_tokens=total) -> Load -> Insert.
-    The allocation covers every token past the device match, the L2 part included; Load
-    then takes as many pages again for that part, and the allocation's first pages sit
-    unused until Insert frees them ("loaded instead"). With L1 at 16 pages, a 12-page
-    request whose first 8 pages are in L2 fails RESOURCE_EXHAUSTED (12 + 8 > 16)."""
+    The allocation covers every token past the device match, the L2 part included. Load
+    took as many pages again for that part, the allocation's first pages sitting unused
+    until Insert freed them: with L1 at 16 pages, a 12-page request whose first 8 pages
+    are in L2 failed RESOURCE_EXHAUSTED (12 + 8 > 16). Now the L2 part lands in the
+    allocation's own first pages: the page ids the engine already has."""
     ctl = make_ctl(l1_tokens=64, write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
-    a = seq(8, base=900)
-    in_l2_only(ctl, eng, a)
-    longer = a + seq(4, base=9300)
-    m = ctl.match("e1", MatchRequest("", longer, lock=True, allocate_tokens=len(longer) // 4))
+    a, longer, m = l2_prefix_request(ctl, eng, base=900, tail_base=9300)
     assert (m.host_tokens, len(m.pages["full"])) == (32, 12)
+    final = list(ctl.load("e1", m.lock_id))[-1]
+    assert final.device_tokens == 32
+    np.testing.assert_array_equal(final.device_pages["full"], m.pages["full"][:8])
+    eng.verify(final.device_pages, a, 8)
+    # The engine computes the 4 new pages into the rest of its allocation, and inserts.
+    eng.write({"full": m.pages["full"][8:]}, longer, 8)
+    out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert (out.inserted_tokens, out.reused_tokens) == (16, 32)
+    hit = ctl.match("e1", MatchRequest("", longer))
+    assert hit.device_tokens == 48
+    eng.verify(hit.device_pages, longer, 12)
+    assert l1_full(ctl) == (12, 4)  # nothing taken twice, nothing leaked
+
+
+def test_a_load_that_fails_gives_the_allocation_its_pages_back(make_ctl) -> None:
+    """The engine then computes the L2 part itself, into the pages its allocation had
+    for it: they must still be its own (not freed, handed to another request)."""
+    ctl = make_ctl(l1_tokens=64, write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    _a, longer, m = l2_prefix_request(ctl, eng, base=700, tail_base=9700)
+    gate = CopyGate(ctl)
+    gate.fail = True
     try:
-        final = list(ctl.load("e1", m.lock_id))[-1]  # RESOURCE_EXHAUSTED: 8 needed, 4 free
-        assert final.device_tokens == 32
-        eng.verify(final.device_pages, a, 8)
+        loader = gate.held_load("e1", m.lock_id)
+        ctl.check_integrity()  # (lent pages are the load's while it copies)
+        gate.open()
+        with pytest.raises(OSError, match="injected copy failure"):
+            loader.result()
     finally:
-        ctl.release("e1", m.lock_id, m.allocation_id)
+        gate.restore()
+    assert l1_full(ctl)[1] == 4  # the 12 pages are the allocation's again
+    eng.write({"full": m.pages["full"]}, longer, 0)  # all 12 computed, the L2 part too
+    out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
+    assert out.inserted_tokens + out.reused_tokens == 48
+    hit = ctl.match("e1", MatchRequest("", longer))
+    assert hit.device_tokens == 48
+    eng.verify(hit.device_pages, longer, 12)
+
+
+def test_an_allocation_released_during_its_load_leaks_and_double_frees_nothing(make_ctl) -> None:
+    """An engine that gives up on the request mid-load (Release of the allocation, then
+    of the lock): the pages the load took stay the load's, land (or are freed) once;
+    the audit after the test finds every page owned once."""
+    ctl = make_ctl(l1_tokens=64, write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    a, _longer, m = l2_prefix_request(ctl, eng, base=500, tail_base=9500)
+    gate = CopyGate(ctl)
+    try:
+        loader = gate.held_load("e1", m.lock_id)
+        ctl.release("e1", None, m.allocation_id)  # the 4 pages the load did not take
+        assert l1_full(ctl)[1] == 4 + 4
+        ctl.check_integrity()
+        gate.open()
+        final = loader.result()[-1]
+    finally:
+        gate.restore()
+    eng.verify(final.device_pages, a, 8)
+    ctl.release("e1", m.lock_id, None)
+    assert ctl.match("e1", MatchRequest("", a)).device_tokens == 32  # what arrived stays
+
+
+def test_a_hybrid_load_lends_its_paged_slots_and_takes_a_slot_of_its_own(make_ctl) -> None:
+    """FULL+SWA+MAMBA: SWA's window lands in the allocation's SWA pages at the same
+    token pages, its pages outside the window stay the allocation's (retired), the checkpoint gets an L1 slot
+    of its own; the request's life ends byte-exact (the engine simulator verifies)."""
+    ctl = make_ctl(hybrid=True, write__l1_to_l2="write_through", storage__backend="none")
+    eng = Engine(ctl)
+    a, longer, m = l2_prefix_request(ctl, eng, base=300, tail_base=9100)
+    assert m.device_tokens == 0 and m.host_tokens == 32
+    final = list(ctl.load("e1", m.lock_id))[-1]
+    eng.verify(final.device_pages, a, 8)
+    for member in ctl.cfg.model.family(FULL):  # (FULL and its sidecars: the same ids)
+        np.testing.assert_array_equal(final.device_pages[member.name], m.pages[member.name][:8])
+    ctl.release("e1", m.lock_id, m.allocation_id)
+    eng.request(longer)  # a whole life again (match, load, write, insert), verified
 
 
 # ---------------------------------------------------------------------- controller: behaviour
@@ -290,10 +351,8 @@ def test_closing_the_session_mid_copy_leaves_the_lock_and_the_load_alone(make_ct
     in_l2_only(ctl, eng, a)
     m = ctl.match("e1", MatchRequest("", a, session_id="s1", lock=True, allocate_tokens=24))
     gate = CopyGate(ctl)
-    loader = Loader(ctl, "e1", m.lock_id)
-    loader.start()
     try:
-        gate.wait_reached(1)
+        loader = gate.held_load("e1", m.lock_id)
         ctl.close_session("s1")
         gate.open()
         final = loader.result()[-1]
@@ -319,10 +378,8 @@ def test_another_engines_allocations_mid_copy_neither_evict_the_path_nor_take_it
     m = ctl.match("e1", MatchRequest("", a, lock=True))
     Engine(ctl, "hog")
     gate = CopyGate(ctl)
-    loader = Loader(ctl, "e1", m.lock_id)
-    loader.start()
     try:
-        gate.wait_reached(1)
+        loader = gate.held_load("e1", m.lock_id)
         assert l1_full(ctl) == (4, 4)  # 16 pages: 8 reserved by the load, 4 in the tree
         got = ctl.match("hog", MatchRequest("", seq(1, base=8000), lock=True, allocate_tokens=32))
         assert len(got.pages["full"]) == 8  # the free 4 and the evicted 4
