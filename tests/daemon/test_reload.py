@@ -267,14 +267,14 @@ def test_sighups_never_stop_the_daemon(make_daemon: MakeDaemon, tmp_path: Path) 
     assert not list(Path("/dev/shm").glob(f"hicache-*-{d.proc.pid}-*"))
 
 
-def _catches_sighup(pid: int) -> bool:
-    """Whether the process has a SIGHUP handler (its caught-signals mask, bit 0)."""
+def _catches(pid: int, sig: int = signal.SIGHUP) -> bool:
+    """Whether the process has a handler for `sig` (its caught-signals mask)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
     mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(mask, 16) & (1 << (signal.SIGHUP - 1)))
+    return bool(int(mask, 16) & (1 << (sig - 1)))
 
 
 def test_a_sighup_during_the_start_is_a_reload_once_ready(
@@ -287,7 +287,7 @@ def test_a_sighup_during_the_start_is_a_reload_once_ready(
     d.start(wait=False)
     assert d.proc is not None
     pid = d.proc.pid
-    assert eventually(lambda: _catches_sighup(pid), timeout_s=30)
+    assert eventually(lambda: _catches(pid), timeout_s=30)
     _config(cfg, _token(B))
     os.kill(pid, signal.SIGHUP)
     d.wait_ready()

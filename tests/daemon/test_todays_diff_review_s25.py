@@ -13,47 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from hicache.client import Client
-from hicache.errors import NotFound, Unauthenticated, Unavailable
+from hicache.errors import NotFound
 
 from .daemonkit import PAGE, Daemon, eventually, free_port, run_cli, scrape, tokens
+from .test_reload import A, B, C, _catches, _config, _reaches, _reload, _serves, _token
 
 MakeDaemon = Callable[..., Daemon]
 
-A = "token-of-tenant-a-0123456789"
-B = "token-of-tenant-b-0123456789"
-C = "token-of-tenant-c-0123456789"
 
 
-def _config(path: Path, *entries: str, extra: str = "") -> Path:
-    path.write_text(f"server:\n  tokens: [{', '.join(entries)}]\n{extra}")
-    path.chmod(0o600)
-    return path
 
 
-def _token(value: str, namespaces: str = "[x]", name: str | None = None) -> str:
-    return f"{{token: '{value}', namespaces: {namespaces}" + (f", name: {name}}}" if name else "}")
 
-
-def _outcomes(d: Daemon) -> int:
-    log = d.log()
-    return log.count("configuration reloaded:") + log.count("configuration reload failed")
-
-
-def _reload(d: Daemon) -> None:
-    assert d.proc is not None
-    before = _outcomes(d)
-    os.kill(d.proc.pid, signal.SIGHUP)
-    assert eventually(lambda: _outcomes(d) > before, timeout_s=15), d.log()
-
-
-def _serves(d: Daemon, token: str) -> bool:
-    with d.client(token=token, retries=0, timeout_s=5.0) as c:
-        try:
-            c.attach(map_pools=False)
-            return True
-        except Unauthenticated:
-            return False
 
 
 # ------------------------------------------------------------------ TLS
@@ -79,13 +50,6 @@ def _k1_cert(directory: Path, name: str) -> tuple[Path, Path]:
              "-addext", "subjectAltName=IP:127.0.0.1", "-out", str(crt))
     return crt, key
 
-
-def _reaches(target: str, ca: bytes) -> bool:
-    with Client(target, root_certificates=ca, retries=0, timeout_s=3.0) as c:
-        try:
-            return c.serving()
-        except Unavailable:
-            return False
 
 
 def _tls_daemon(make_daemon: MakeDaemon, tmp_path: Path, *sets: str) -> tuple[Daemon, str, Path, Path, Path]:
@@ -262,14 +226,6 @@ def _unblock(fifo: Path) -> None:
     with contextlib.suppress(OSError):  # (no reader)
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
-
-def _catches(pid: int, sig: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(int(mask, 16) & (1 << (sig - 1)))
 
 
 def test_a_reload_stuck_on_a_file_does_not_block_the_stop(make_daemon: MakeDaemon, tmp_path: Path) -> None:
