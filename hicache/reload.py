@@ -59,8 +59,9 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> Iterator[str]:
 
 
 class Reloader:
-    """Re-reads the configuration and applies what can change live. One owner: the
-    daemon's main thread calls `reload`; `running` is the configuration in effect."""
+    """Re-reads the configuration and applies what can change live. Reloads run one at
+    a time (`_mu`; the daemon starts each on a thread of its own, off the main thread
+    that handles a stop); `running` is the configuration in effect."""
 
     def __init__(self, running: HicacheConfig, load: Callable[[], HicacheConfig],
                  auth: Authenticator, certificate: ServerCertificate | None) -> None:
