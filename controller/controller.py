@@ -319,11 +319,11 @@ class HybridCacheController(CacheService):
                             if beyond_l3 and in_tree and storage_base is not None
                             and self.tree.full_in_host(storage_base) else None)
             lock_id = 0
+            lock_record = None
             if m.lock is not None and wants_lock:
-                lock_id = self._engines.add_lock(
-                    LockRecord(engine_id, req.namespace, m.lock, req.session_id,
-                               self.tree.session_clock)
-                )
+                lock_record = LockRecord(engine_id, req.namespace, m.lock, req.session_id,
+                                         self.tree.session_clock)
+                lock_id = self._engines.add_lock(lock_record)
         storage_tokens = m.storage_tokens
         beyond: bytes = b""
         lead = 0  # the tree's storage part, when the prefetch must start past it
@@ -382,8 +382,8 @@ class HybridCacheController(CacheService):
                         engine_id, req.namespace, max(0, req.allocate_tokens - m.device_tokens),
                         start,
                     )
-                    if lock_id:  # (a Load of this lock lands in the allocation's first pages)
-                        self._engines.lock(engine_id, lock_id).allocation_id = alloc_id
+                    if lock_record is not None:  # (a Load of it lands in the allocation's first pages)
+                        lock_record.allocation_id = alloc_id
                 # `base` (the storage boundary) lies beyond the lock when a hybrid model's
                 # window or checkpoint is only in L3: an eviction while the mutex was free
                 # may have deleted it, and then there is nothing to continue from.

@@ -178,8 +178,8 @@ class Prefetcher:
         left = budget - self._reserved_pages
         if owner is None:
             return left
-        waiting = [o for o, at in list(self._refused.items())
-                   if o != owner and time.monotonic() - at <= FAIR_SHARE_WINDOW_S]
+        since = time.monotonic() - FAIR_SHARE_WINDOW_S
+        waiting = [o for o, at in list(self._refused.items()) if o != owner and at >= since]
         if not waiting:
             return left
         sharing = len({owner, *waiting, *self._held})

@@ -91,7 +91,11 @@ class LentPages:
     start_page: int  # where the allocation started when they were taken
     pages: dict[ComponentKind, np.ndarray]
     unused: dict[ComponentKind, np.ndarray]
-    lent_to: set[tuple[int, ComponentKind]]  # (id(node), kind) of the moves they back
+
+    def backs(self, kind: ComponentKind) -> bool:
+        """Whether the moves of `kind` copy into these pages: every paged kind's do
+        (`Transfers._lendable`), a MAMBA checkpoint's never."""
+        return kind in self.pages
 
 
 @dataclass
@@ -1097,11 +1101,9 @@ class Transfers:
         else:
             moves = _moves_into(wanted, got)
         op = LoadOp(moves, layers, lent=lent)
-        if op.moves:
+        if op.moves:  # (always, when pages were lent: they back a FULL slot at least)
             self._loads.add(op)
             self._load_events += 1
-        elif lent is not None:  # (nothing to copy after all: they go back)
-            self.give_back(lent)
         return op
 
     def _lendable(self, wanted: _Wanted, lend: AllocationRecord,
@@ -1109,31 +1111,23 @@ class Transfers:
         """Caller holds the mutex. For each paged slot of `wanted`, (its first token page
         counted from the allocation's start, the allocation's pages that stand for it),
         when the FULL slots are exactly the allocation's first pages, in order, and every
-        other paged slot lies among them; None otherwise (the load takes pages of its own)."""
+        other paged slot lies among them; None otherwise (the load takes pages of its own).
+        Every paged slot is then lent (only a MAMBA checkpoint takes a slot of its own)."""
         ps = self.cfg.model.page_size
-        full = [(node, ids) for node, kind, ids in wanted if kind is FULL]
-        if not full or set(self._paged_kinds()) - set(lend.pages):
-            return None
         out: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]] = {}
-        at = 0
-        for node, ids in full:
-            lo = self.tree.depth_tokens(node) // ps - len(ids) - lend.start_page
-            if lo != at:
-                return None
-            at += len(ids)
-        if at > len(lend.pages[FULL]):
-            return None
+        at = 0  # the FULL pages tiled so far (`_wanted_in_l1` lists FULL slots first)
         for node, kind, ids in wanted:
             if kind not in lend.pages:  # (MAMBA: a checkpoint slot, not a page)
                 continue
             lo = self.tree.depth_tokens(node) // ps - len(ids) - lend.start_page
-            if lo < 0 or lo + len(ids) > at:
+            if kind is FULL:
+                if lo != at or at + len(ids) > len(lend.pages[FULL]):
+                    return None
+                at += len(ids)
+            elif lo < 0 or lo + len(ids) > at:
                 return None
             out[(id(node), kind)] = (lo, lend.pages[kind][lo : lo + len(ids)])
-        return out
-
-    def _paged_kinds(self) -> list[ComponentKind]:
-        return [k for k in self.ctl._kinds if k is not MAMBA]
+        return out if at else None
 
     def _still_lendable(self, lend: AllocationRecord,
                         lendable: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]]) -> bool:
@@ -1153,7 +1147,7 @@ class Transfers:
             mark = used.setdefault(kind, np.zeros(n, dtype=bool))
             mark[lo : lo + len(ids)] = True
         unused = {kind: ids[~used[kind]] if kind in used else ids for kind, ids in taken.items()}
-        lent = LentPages(lend, lend.start_page, taken, unused, set(lendable))
+        lent = LentPages(lend, lend.start_page, taken, unused)
         for kind in lend.pages:
             lend.pages[kind] = lend.pages[kind][n:]
         lend.start_page += n
@@ -1167,10 +1161,9 @@ class Transfers:
         if lent is None:
             return self.free_l1
         alloc = lent.allocation
-        mine = {kind: set(ids.tolist()) for kind, ids in lent.pages.items()}
 
         def unlanded(kind: ComponentKind, ids: np.ndarray) -> None:
-            if kind in mine and self.ctl._engines.holds(alloc) and mine[kind].issuperset(ids.tolist()):
+            if lent.backs(kind) and self.ctl._engines.holds(alloc):
                 alloc.retired.setdefault(kind, []).append(ids)
             else:
                 self.free_l1(kind, ids)
@@ -1279,8 +1272,8 @@ class Transfers:
         with self.ctl._mu:
             if op.error is not None:
                 lent = op.lent
-                for node, kind, _, dev in op.moves:
-                    if lent is None or (id(node), kind) not in lent.lent_to:
+                for _, kind, _, dev in op.moves:
+                    if lent is None or not lent.backs(kind):
                         self.free_l1(kind, dev)
                 if lent is not None:
                     self.give_back(lent)
@@ -1296,7 +1289,7 @@ class Transfers:
                     # listening; its lock went): its allocation keeps the pages it had for
                     # those tokens, to compute them there. (Landed, the tree would own
                     # pages the engine writes to.) The rest lands as ever.
-                    moves = [m for m in moves if (id(m[0]), m[1]) not in lent.lent_to]
+                    moves = [m for m in moves if not lent.backs(m[1])]
                     self.give_back(lent)
                 else:  # (SWA's pages outside its window: the engine holds their ids too)
                     keep = self._unlanded(lent)

@@ -25,50 +25,42 @@ def _no_passphrase() -> str:
 
 
 def load_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
-    """The PEM (certificate chain, private key) at these paths, checked to be a usable,
-    matching pair; `FailedPrecondition` naming what is wrong otherwise."""
+    """The PEM (certificate chain, private key) at these paths, checked to be a pair gRPC
+    serves; `FailedPrecondition` naming what is wrong otherwise. The bytes checked are
+    the bytes served (a renewal half done fails the check, not a handshake)."""
     cert = read_named_file(cert_path, "server.tls_cert", FailedPrecondition, regular=True)
     key = read_named_file(key_path, "server.tls_key", FailedPrecondition, regular=True)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(cert_path, key_path, password=_no_passphrase)
-    except FailedPrecondition as e:
-        raise FailedPrecondition(f"server.tls_key={key_path}: {e}") from None
-    except (ssl.SSLError, OSError) as e:
-        reason = getattr(e, "reason", None) or str(e)
-        raise FailedPrecondition(
-            f"server.tls_cert/tls_key: {cert_path} and {key_path} are not a matching PEM "
-            f"certificate and private key ({reason})"
-        ) from None
-    # Checked from the paths, served from the bytes: the same only if nothing replaced
-    # the files in between (a renewal half done).
-    if (read_named_file(cert_path, "server.tls_cert", FailedPrecondition, regular=True) != cert
-            or read_named_file(key_path, "server.tls_key", FailedPrecondition, regular=True) != key):
-        raise FailedPrecondition(
-            f"server.tls_cert/tls_key: {cert_path} or {key_path} changed while being read "
-            "(a renewal under way?); reload again once it is done"
-        )
-    _check_grpc_takes(cert, key, cert_path, key_path)
+    if not _grpc_takes(cert, key):
+        raise FailedPrecondition(f"server.tls_cert/tls_key: {_why_not(cert_path, key_path)}")
     return cert, key
 
 
-def _check_grpc_takes(cert: bytes, key: bytes, cert_path: str, key_path: str) -> None:
-    """gRPC's TLS (BoringSSL) takes fewer key types than Python's OpenSSL (no secp256k1,
-    for one): a pair only OpenSSL takes would fail every handshake (served, it kept the
-    old certificate). A listener of a server never started, on a free loopback port, is
-    where gRPC says whether it takes the pair."""
+def _grpc_takes(cert: bytes, key: bytes) -> bool:
+    """Whether gRPC's TLS (BoringSSL) serves this pair: asked of a listener of a server
+    never started, on a free loopback port. (It refuses a key that does not match, an
+    encrypted one, and key types Python's OpenSSL takes, secp256k1 for one: served, such
+    a pair failed every handshake.)"""
     probe = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     try:
-        port = probe.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
-    except RuntimeError:
-        port = 0
+        return bool(probe.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)])))
+    except (RuntimeError, ValueError):
+        return False
     finally:
         probe.stop(None)
-    if not port:
-        raise FailedPrecondition(
-            f"server.tls_cert/tls_key: gRPC cannot serve {cert_path} with {key_path} (its TLS "
-            "takes RSA, ECDSA P-256/P-384/P-521 and Ed25519 keys)"
-        )
+
+
+def _why_not(cert_path: str, key_path: str) -> str:
+    """What is wrong with a pair gRPC refused, as far as Python's OpenSSL can say."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path,
+                                                                password=_no_passphrase)
+    except FailedPrecondition as e:
+        return f"{key_path}: {e}"
+    except (ssl.SSLError, OSError) as e:
+        reason = getattr(e, "reason", None) or str(e)
+        return f"{cert_path} and {key_path} are not a matching PEM certificate and private key ({reason})"
+    return (f"gRPC cannot serve {cert_path} with {key_path} (its TLS takes RSA, ECDSA "
+            "P-256/P-384/P-521 and Ed25519 keys)")
 
 
 class ServerCertificate:

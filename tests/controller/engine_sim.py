@@ -248,6 +248,14 @@ class Engine:
         self.request(tokens)
         evict_all(self.ctl, Tier.DEVICE, Tier.HOST)
 
+    def assert_cached(self, tokens: bytes) -> MatchOutcome:
+        """`tokens` whole in L1 (a plain match of them), every page byte-exact."""
+        n = len(tokens) // (self.ps * 4)
+        hit = self.ctl.match(self.id, MatchRequest(self.ns, tokens))
+        assert hit.device_tokens == n * self.ps, (hit.device_tokens, n * self.ps)
+        self.verify(hit.device_pages, tokens, n)
+        return hit
+
     def request(self, tokens: bytes, *, checkpoint: bool = True, load: bool = True, prefetch: bool = False):
         """One request's life: match (+allocate), load what L2 holds, write new KV, insert."""
         total_pages = len(tokens) // (self.ps * 4)
@@ -353,6 +361,26 @@ class CopyGate:
     def restore(self) -> None:
         self.gate.set()
         self.ctl.transfers.copier.host_to_device = self.original
+
+
+@contextlib.contextmanager
+def failing_load(ctl, engine_id: str, lock_id: int) -> Iterator[Loader]:  # type: ignore[no-untyped-def]
+    """A Load of `lock_id` held at its copy while the block runs, then failed by the
+    injected copy error (checked); the copier restored whatever happens."""
+    gate = CopyGate(ctl)
+    gate.fail = True
+    try:
+        loader = gate.held_load(engine_id, lock_id)
+        yield loader
+        gate.open()
+        try:
+            loader.result()
+        except OSError as e:
+            assert "injected copy failure" in str(e), e
+        else:
+            raise AssertionError("the load did not fail")
+    finally:
+        gate.restore()
 
 
 class Loader(threading.Thread):

@@ -19,6 +19,7 @@ from engine_sim import (
     Loader,
     built_controllers,
     evict_all,
+    failing_load,
     in_l2_only,
     l1_full,
     l2_prefix_request,
@@ -116,9 +117,7 @@ def test_an_abandoned_load_leaves_the_request_able_to_insert(make_ctl) -> None:
         ctl.release("e1", m.lock_id, m.allocation_id)
         pytest.fail(f"Insert after an abandoned Load: {e}")
     assert out.inserted_tokens + out.reused_tokens == 48
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 48
-    eng.verify(hit.device_pages, longer, 12)
+    eng.assert_cached(longer)
 
 
 def test_an_abandoned_load_leaves_the_engine_its_allocation_pages(make_ctl) -> None:
@@ -213,17 +212,9 @@ def test_a_failed_load_gives_back_in_order_after_the_allocation_grew_mid_copy(ma
     ctl = make_ctl(l1_tokens=128, write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     _a, longer, m = l2_prefix_request(ctl, eng, base=1500, tail_base=9500)
-    gate = CopyGate(ctl)
-    gate.fail = True
-    try:
-        loader = gate.held_load("e1", m.lock_id)
+    with failing_load(ctl, "e1", m.lock_id):
         grown = ctl.allocate("e1", AllocateRequest("", 8, allocation_id=m.allocation_id))
         ctl.check_integrity()
-        gate.open()
-        with pytest.raises(OSError, match="injected copy failure"):
-            loader.result()
-    finally:
-        gate.restore()
     assert grown.pages["full"].tolist()[:4] == m.pages["full"][8:].tolist()  # (mid-load view)
     now = ctl._engines.allocation("e1", m.allocation_id)
     assert now.start_page == 0
@@ -233,9 +224,7 @@ def test_a_failed_load_gives_back_in_order_after_the_allocation_grew_mid_copy(ma
     eng.write({"full": now.pages[FULL]}, full, 0)
     out = ctl.insert("e1", InsertRequest("", full, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert out.inserted_tokens + out.reused_tokens == 56
-    hit = ctl.match("e1", MatchRequest("", full))
-    assert hit.device_tokens == 56
-    eng.verify(hit.device_pages, full, 14)
+    eng.assert_cached(full)
 
 
 def test_after_a_lent_load_keep_lock_insert_growth_and_final_insert_are_byte_exact(make_ctl) -> None:
@@ -261,9 +250,7 @@ def test_after_a_lent_load_keep_lock_insert_growth_and_final_insert_are_byte_exa
     eng.write({"full": grown.pages["full"]}, decoded, 12)
     out = ctl.insert("e1", InsertRequest("", decoded, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert (out.inserted_tokens, out.reused_tokens) == (8, 48)
-    hit = ctl.match("e1", MatchRequest("", decoded))
-    assert hit.device_tokens == 56
-    eng.verify(hit.device_pages, decoded, 14)
+    eng.assert_cached(decoded)
     assert l1_full(ctl) == (14, 18)
 
 
@@ -307,16 +294,8 @@ def test_a_hybrid_load_that_fails_gives_back_every_lent_page(make_ctl) -> None:
     _a, longer, m = l2_prefix_request(ctl, eng, base=1800, tail_base=9800)
     assert (m.device_tokens, m.host_tokens) == (0, 32)
     before = {k: ctl.device.allocator(k).free_count for k in ctl._kinds}
-    gate = CopyGate(ctl)
-    gate.fail = True
-    try:
-        loader = gate.held_load("e1", m.lock_id)
+    with failing_load(ctl, "e1", m.lock_id):
         ctl.check_integrity()
-        gate.open()
-        with pytest.raises(OSError, match="injected copy failure"):
-            loader.result()
-    finally:
-        gate.restore()
     assert {k: ctl.device.allocator(k).free_count for k in ctl._kinds} == before
     rec = ctl._engines.allocation("e1", m.allocation_id)
     for kind in rec.pages:
@@ -325,9 +304,7 @@ def test_a_hybrid_load_that_fails_gives_back_every_lent_page(make_ctl) -> None:
     out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id,
                                          mamba_checkpoint=True))
     assert out.inserted_tokens + out.reused_tokens == 48
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 48
-    eng.verify(hit.device_pages, longer, 12)
+    eng.assert_cached(longer)
 
 
 def test_a_lease_lapsing_during_a_lent_load_frees_each_page_once(make_ctl) -> None:

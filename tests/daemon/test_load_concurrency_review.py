@@ -37,6 +37,7 @@ from engine_sim import (
     Engine,
     Loader,
     built_controllers,
+    failing_load,
     in_l2_only,
     l1_full,
     l2_prefix_request,
@@ -178,9 +179,7 @@ def test_a_request_that_fits_l1_can_load_its_l2_prefix(make_ctl) -> None:
     eng.write({"full": m.pages["full"][8:]}, longer, 8)
     out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert (out.inserted_tokens, out.reused_tokens) == (16, 32)
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 48
-    eng.verify(hit.device_pages, longer, 12)
+    eng.assert_cached(longer)
     assert l1_full(ctl) == (12, 4)  # nothing taken twice, nothing leaked
 
 
@@ -190,23 +189,13 @@ def test_a_load_that_fails_gives_the_allocation_its_pages_back(make_ctl) -> None
     ctl = make_ctl(l1_tokens=64, write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     _a, longer, m = l2_prefix_request(ctl, eng, base=700, tail_base=9700)
-    gate = CopyGate(ctl)
-    gate.fail = True
-    try:
-        loader = gate.held_load("e1", m.lock_id)
+    with failing_load(ctl, "e1", m.lock_id):
         ctl.check_integrity()  # (lent pages are the load's while it copies)
-        gate.open()
-        with pytest.raises(OSError, match="injected copy failure"):
-            loader.result()
-    finally:
-        gate.restore()
     assert l1_full(ctl)[1] == 4  # the 12 pages are the allocation's again
     eng.write({"full": m.pages["full"]}, longer, 0)  # all 12 computed, the L2 part too
     out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert out.inserted_tokens + out.reused_tokens == 48
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 48
-    eng.verify(hit.device_pages, longer, 12)
+    eng.assert_cached(longer)
 
 
 def test_an_allocation_released_during_its_load_leaks_and_double_frees_nothing(make_ctl) -> None:
@@ -311,9 +300,7 @@ def test_loading_one_lock_twice_at_once_gives_both_streams_the_same_pages(make_c
     eng.write(alloc, longer, 4)
     out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert (out.inserted_tokens, out.reused_tokens) == (8, 16)
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 24
-    eng.verify(hit.device_pages, longer, 6)
+    eng.assert_cached(longer)
 
 
 def test_a_lease_lapsing_mid_copy_answers_not_found_and_keeps_what_landed(make_ctl) -> None:
@@ -422,9 +409,7 @@ def test_an_abandoned_stream_then_insert_keeps_the_landed_pages_and_frees_the_du
     eng.write(m.pages, longer, 0)  # the engine recomputed all 6 pages
     out = ctl.insert("e1", InsertRequest("", longer, lock_id=m.lock_id, allocation_id=m.allocation_id))
     assert (out.inserted_tokens, out.reused_tokens) == (8, 16)
-    hit = ctl.match("e1", MatchRequest("", longer))
-    assert hit.device_tokens == 24
-    eng.verify(hit.device_pages, longer, 6)
+    eng.assert_cached(longer)
     assert l1_full(ctl) == (6, 58)  # the 4 duplicates went back
 
 

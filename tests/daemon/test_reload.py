@@ -33,6 +33,17 @@ def _config(path: Path, *entries: str, extra: str = "") -> Path:
     return path
 
 
+def _tokens_file_config(directory: Path, *entries: str) -> tuple[Path, Path]:
+    """A config naming `server.tokens_file`, and that file listing `entries` (YAML flow
+    mappings): (the config, the tokens file)."""
+    tokens_file = directory / "tokens.yaml"
+    tokens_file.write_text("".join(f"- {e}\n" for e in entries))
+    tokens_file.chmod(0o600)
+    cfg = directory / "h.yaml"
+    cfg.write_text(f"server:\n  tokens_file: {tokens_file}\n")
+    return cfg, tokens_file
+
+
 def _token(value: str, namespaces: str = "[x]", name: str | None = None) -> str:
     return f"{{token: {value}, namespaces: {namespaces}" + (f", name: {name}}}" if name else "}")
 
@@ -362,3 +373,17 @@ def test_sigusr1_writes_every_threads_stack_and_the_daemon_serves_on(make_daemon
     with d.client(retries=0) as c:
         assert c.serving()
     assert d.stop() == 0
+
+
+def test_a_native_crash_writes_every_threads_stack_before_the_process_dies(
+    make_daemon: MakeDaemon,
+) -> None:
+    """`faulthandler.enable`: a fault in native code (here SIGSEGV sent, as a bad pointer
+    in a CUDA or Mooncake library would raise it) leaves where each thread was."""
+    d = make_daemon()
+    assert d.proc is not None
+    os.kill(d.proc.pid, signal.SIGSEGV)
+    assert d.proc.wait(timeout=30) == -signal.SIGSEGV
+    log = d.log()
+    assert "Fatal Python error: Segmentation fault" in log, log
+    assert "in serve" in log and "Thread 0x" in log

@@ -16,7 +16,18 @@ import pytest
 from hicache.errors import NotFound
 
 from .daemonkit import PAGE, Daemon, eventually, free_port, run_cli, scrape, tokens
-from .test_reload import A, B, C, _catches, _config, _reaches, _reload, _serves, _token
+from .test_reload import (
+    A,
+    B,
+    C,
+    _catches,
+    _config,
+    _reaches,
+    _reload,
+    _serves,
+    _token,
+    _tokens_file_config,
+)
 
 MakeDaemon = Callable[..., Daemon]
 
@@ -134,13 +145,7 @@ def test_a_chain_file_is_rotated_whole(make_daemon: MakeDaemon, tmp_path: Path) 
 
 
 def test_a_token_in_the_name_field_is_never_logged(make_daemon: MakeDaemon, tmp_path: Path) -> None:
-    secret_dir = tmp_path / "secret"
-    secret_dir.mkdir()
-    tokens_file = secret_dir / "tokens.yaml"
-    tokens_file.write_text(f"- {_token(A)}\n")
-    tokens_file.chmod(0o600)
-    cfg = tmp_path / "h.yaml"
-    cfg.write_text(f"server:\n  tokens_file: {tokens_file}\n")
+    cfg, tokens_file = _tokens_file_config(tmp_path, _token(A))
     d = make_daemon(config=cfg)
     # base64 tokens (openssl rand -base64) hold '/', '+', '=': the name check refuses them.
     swapped = "q3Zx/9Kd+Lm2Pw8Rt1Vb4Nc6=="
@@ -229,11 +234,7 @@ def _unblock(fifo: Path) -> None:
 
 
 def test_a_reload_stuck_on_a_file_does_not_block_the_stop(make_daemon: MakeDaemon, tmp_path: Path) -> None:
-    tokens_file = tmp_path / "tokens.yaml"
-    tokens_file.write_text(f"- {_token(A)}\n")
-    tokens_file.chmod(0o600)
-    cfg = tmp_path / "h.yaml"
-    cfg.write_text(f"server:\n  tokens_file: {tokens_file}\n")
+    cfg, tokens_file = _tokens_file_config(tmp_path, _token(A))
     d = make_daemon(config=cfg)
     assert d.proc is not None
     tokens_file.unlink()

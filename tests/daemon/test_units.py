@@ -756,3 +756,18 @@ def test_an_engine_id_no_header_can_carry_is_refused(in_process: tuple[Daemon, C
             assert "printable ASCII" in (info.value.details() or "")
         finally:
             channel.close()
+
+
+def test_a_daemon_without_a_configuration_source_reloads_nothing_and_counts_nothing(
+    in_process: tuple[Daemon, Client], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`serve(load=None)` (an embedding that gives no way to read its config again): a
+    SIGHUP is a warning, not a failed reload counted against the operator's file."""
+    daemon, client = in_process
+    with caplog.at_level(logging.WARNING, logger="hicache.server"):
+        outcome = daemon.reload()
+    assert not outcome.ok and outcome.error == "no configuration source"
+    assert any("no configuration source" in r.message for r in caplog.records)
+    assert daemon.metrics.registry.get_sample_value(
+        "hicache_config_reloads_total", {"outcome": "failed"}) == 0
+    assert client.serving()
