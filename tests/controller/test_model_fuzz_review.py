@@ -534,16 +534,20 @@ class Model:
                         want = r.eng.pattern(hs[base + i], name, layer, rows.shape[1])
                         assert np.array_equal(rows[int(pid)], want), (
                             f"{name} page {base + i} (L1 {pid}) changed under a lock")
-        s = ctl.stats()
+        # The snapshot and the allocators read under the mutex: a prefetch following into
+        # free L1 allocates on its own thread (4 SWA pages between the two reads, once).
+        with ctl._mu:
+            s = ctl.stats()
+            free = {(tier, kind): (pools.allocator(kind).free_count, pools.allocator(kind).total)
+                    for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host))
+                    for kind in ctl._kinds}
         for p in s.pools:
             assert 0 <= p.locked_pages <= p.used_pages <= p.capacity_pages, p
-        for tier, pools in ((Tier.DEVICE, ctl.device), (Tier.HOST, ctl.host)):
-            for kind in ctl._kinds:
-                a = pools.allocator(kind)
-                usage = [p for p in s.pools if p.tier == tier.name.lower()
-                         and p.member in {m.name for m in ctl.cfg.model.family(kind)}]
-                for p in usage:
-                    assert p.used_pages + a.free_count == p.capacity_pages == a.total, p
+        for (tier, kind), (free_count, total) in free.items():
+            usage = [p for p in s.pools if p.tier == tier.name.lower()
+                     and p.member in {m.name for m in ctl.cfg.model.family(kind)}]
+            for p in usage:
+                assert p.used_pages + free_count == p.capacity_pages == total, p
         c = Counter(s.counters)
         assert c["active_locks"] == sum(r.lock_id is not None for r in self.reqs)
         assert c["active_allocations"] == sum(r.alloc_id is not None for r in self.reqs)
