@@ -157,7 +157,10 @@ def test_a_stop_with_l3_hung_and_a_call_stuck_on_it_refuses_newcomers_and_ends_i
     after = make_daemon(*sets)  # the same socket, at once
     with after.client() as c:
         assert c.serving()
-        assert c.match(tokens(PAGE, start=1)).storage_tokens == 0  # nothing reached L3
+        # Nothing the stopped daemon counted reached L3 while it lived; a write it had
+        # already sent to the stopped Redis runs once Redis goes on (SIGCONT), so the
+        # store may hold that page now, whole and checksummed, or not at all.
+        assert c.match(tokens(PAGE, start=1)).storage_tokens in (0, PAGE)
 
 
 def test_sigint_with_pages_in_l1_l2_and_l3_and_handles_held_flushes_every_page_byte_exact(
