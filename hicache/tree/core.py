@@ -138,6 +138,11 @@ class HiRadixTree:
         self._ncomp = len(self.components)
         self._path_comps = [c for c in self.components if c.path_scoped]
         self._path_idx = [c.index for c in self._path_comps]
+        # Session references (DESIGN §1): a windowed component's (SWA's) cover the trailing
+        # window of the session's path only, the other path-scoped ones the whole path.
+        self._window_comps = [c for c in self._path_comps if c.window_pages]
+        assert len(self._window_comps) <= 1, "one windowed component (one window per session)"
+        self._whole_path_comps = [c for c in self._path_comps if not c.window_pages]
         # Where each component's lock count lives: path-scoped ones share FULL's.
         self._lock_idx = [FULL_INDEX if c.path_scoped else c.index for c in self.components]
         assert all(c.per_page for c in self._path_comps), "path-scoped slots hold a page per page"
@@ -1373,25 +1378,51 @@ class HiRadixTree:
         session = self._sessions.current(session_id, gen)
         if session is None:
             return  # closed (and maybe reopened) since this request matched
-        old = session.end
+        old, old_top = session.end, session.window_top
+        top = self._window_top(end)
         self._sessions.set_end(session_id, session, end)
+        session.window_top = top
         # A session's next end usually continues its last one: the shared prefix keeps
         # its references, only the two branches below their common ancestor change.
         shared = _common_ancestor(old, end)
         if end is not None:
-            self._session_refs(end, +1, shared)
-        if old is not None:
-            self._session_refs(old, -1, shared)
+            self._session_refs(end, +1, top, shared)
+        if old is not None:  # after: its re-offers rank the new references
+            self._session_refs(old, -1, old_top, shared)
 
-    def _session_refs(self, end: Node, delta: int, stop: Node | None = None) -> None:
-        """Path references of `end` up to (not including) `stop`, and its point slots'."""
+    def _window_top(self, end: Node | None) -> int:
+        """The depth (pages) where the trailing window of a session ending at `end`
+        begins; the node that straddles it is split there, so that the window's references
+        cover whole nodes and the pages before it stay unreferenced (DESIGN §1)."""
+        if end is None or not self._window_comps:
+            return 0
+        top = max(0, end.depth - self._window_comps[0].window_pages)
+        node = end
+        while node.parent is not None and node.depth - node.npages > top:
+            node = node.parent
+        if node.parent is not None and node.depth - node.npages < top:
+            self._split(node, top - (node.depth - node.npages))
+        return top
+
+    def _session_refs(self, end: Node, delta: int, top: int, stop: Node | None = None) -> None:
+        """The references of a session ending at `end`: whole-path components' up to (not
+        including) `stop`, windowed components' on the nodes from depth `top` down (all of
+        them, however far `stop` is), and its point slots'."""
         node: Node | None = end
         while node is not stop and node is not None and node.parent is not None:
-            for comp in self._path_comps:
+            for comp in self._whole_path_comps:
                 node.sref[comp.index] += delta
             if delta < 0:
                 for tier in range(PAGED_TIERS):
-                    for comp in self._path_comps:
+                    for comp in self._whole_path_comps:
+                        self._queues[tier][comp.index].offer(node, force=True)
+            node = node.parent
+        node = end
+        while node is not None and node.parent is not None and node.depth - node.npages >= top:
+            for comp in self._window_comps:
+                node.sref[comp.index] += delta
+                if delta < 0:
+                    for tier in range(PAGED_TIERS):
                         self._queues[tier][comp.index].offer(node, force=True)
             node = node.parent
         for comp in self._point_comps:
@@ -1415,7 +1446,7 @@ class HiRadixTree:
         def drop(session: Session) -> int:
             if session.end is None:
                 return 0
-            self._session_refs(session.end, -1)
+            self._session_refs(session.end, -1, session.window_top)
             return session.end.depth
 
         released = self._sessions.close(session_id, drop)

@@ -53,8 +53,11 @@ def check_tree(tree: HiRadixTree) -> None:
         end = session.end
         node = end
         while node is not None and node.parent is not None:
-            for comp in t._path_comps:
+            for comp in t._whole_path_comps:
                 bump(expect_sref, node, comp.index)
+            if node.depth - node.npages >= session.window_top:
+                for comp in t._window_comps:
+                    bump(expect_sref, node, comp.index)
             node = node.parent
         if end is not None:
             for comp in t._point_comps:

@@ -28,6 +28,9 @@ class Session:
     generation: int
     end: Node | None = None  # the boundary its last finished request reached
     reopened_at: int = 0  # the clock at the close this generation follows (0: none known)
+    # Where (depth in pages) the trailing window its windowed references cover begins
+    # (SWA's); kept when `end` moves up, so the references shrink with the path.
+    window_top: int = 0
 
 
 def _one_tenant(_session_id: str) -> str:

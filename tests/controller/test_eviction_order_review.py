@@ -38,10 +38,6 @@ def host_copier(tree: HiRadixTree, start: int = 500):
 # ----------------------------------------------------------------------------- sessions
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: DESIGN §1 says a session references SWA's trailing window only, but "
-    "HiRadixTree._session_refs references SWA on the whole path (SWA is path_scoped), so "
-    "useless out-of-window SWA data of a session's path outranks hot unreferenced windows"))
 def test_a_session_references_only_the_trailing_swa_window_of_its_path() -> None:
     """Window 2 pages. Session s ends at X(4 pages) -> Y(1 page): DESIGN's reference
     covers Y and X's last page; X's first 3 pages are out of every window and unreferenced.
@@ -57,6 +53,46 @@ def test_a_session_references_only_the_trailing_swa_window_of_its_path() -> None
     tree.insert("", u + toks(1200, 4), {FULL: ids(21, 22, 23, 24, 25), SWA: ids(31, 32, 33, 34, 35)})
     tree.match("", u + toks(1200, 4))  # U/V hot, X/Y cold
     assert freed(tree, Tier.DEVICE, SWA, 3) == [11, 12, 13]
+
+
+def test_a_session_ending_at_an_inner_node_keeps_its_window_referenced() -> None:
+    """The session ends at X(4 pages), which a later request continues (X is inner, so its
+    SWA may go alone). Window 2 pages: X's last 2 pages are the session's window and go
+    after every unreferenced page; its first 2 go by LRU like anyone's."""
+    tree = tree_of(4, swa_window=8)
+    x = toks(0, 16)
+    session_insert(tree, "s", x, {FULL: ids(1, 2, 3, 4), SWA: ids(11, 12, 13, 14)})
+    tree.insert("", x + toks(300, 4), {FULL: ids(1, 2, 3, 4, 5), SWA: ids(11, 12, 13, 14, 15)})
+    u = toks(1000, 16)
+    tree.insert("", u, {FULL: ids(21, 22, 23, 24), SWA: ids(31, 32, 33, 34)})
+    tree.insert("", u + toks(1200, 4), {FULL: ids(21, 22, 23, 24, 25), SWA: ids(31, 32, 33, 34, 35)})
+    tree.match("", u + toks(1200, 4))  # U hot, X cold
+    assert freed(tree, Tier.DEVICE, SWA, 2) == [11, 12]  # out of the window, coldest
+    assert freed(tree, Tier.DEVICE, SWA, 3) == [31, 32, 33]  # unreferenced, though hotter
+    # the window: later, not never (14 stays: the continuing request's window needs it)
+    assert freed(tree, Tier.DEVICE, SWA, 2) == [13]
+    tree.close_session("s")
+    tree.check_integrity()
+
+
+def test_a_sessions_window_moves_with_its_next_turn_and_shrinks_with_its_path() -> None:
+    """Turn 2 moves the window down: turn 1's window is ordinary again. When the end's
+    node leaves the tree, the session ends at its parent and keeps what of its window is
+    left there (references never reach above where the window began)."""
+    tree = tree_of(4, swa_window=8)
+    a = toks(0, 16)
+    session_insert(tree, "s", a, {FULL: ids(1, 2, 3, 4), SWA: ids(11, 12, 13, 14)})
+    b = a + toks(500, 12)
+    session_insert(tree, "s", b, {FULL: ids(1, 2, 3, 4, 5, 6, 7), SWA: ids(11, 12, 13, 14, 15, 16, 17)})
+    tree.insert("", toks(1000, 8), {FULL: ids(21, 22), SWA: ids(31, 32)})
+    # turn 1's window (13, 14) is no longer referenced: the colder pages go first
+    assert freed(tree, Tier.DEVICE, SWA, 4) == [11, 12, 13, 14]
+    assert freed(tree, Tier.DEVICE, SWA, 1) == [15]  # out of turn 2's window too
+    assert freed(tree, Tier.DEVICE, FULL, 2) == [21, 22]  # unreferenced first
+    assert freed(tree, Tier.DEVICE, FULL, 2) == [6, 7]  # the end leaves: it ends at 5 now
+    assert freed(tree, Tier.DEVICE, FULL, 1) == [5]  # and at 4 (page 14's node) now
+    tree.close_session("s")
+    tree.check_integrity()
 
 
 def test_a_checkpoint_above_a_sessions_boundary_is_not_referenced() -> None:

@@ -150,14 +150,17 @@ def test_a_lock_on_a_prefix_of_a_long_leaf_keeps_that_prefix_window() -> None:
     assert tree.match("", toks(0, 12)).device_tokens == 0
 
 
-def test_a_session_on_a_long_leaf_reorders_but_does_not_pin() -> None:
+def test_a_session_on_a_long_leaf_references_its_window_not_what_lies_before() -> None:
+    """DESIGN §1: a session references SWA's trailing window only. The pages of its long
+    leaf before the window are no use to it: they go by LRU like anyone's (here first,
+    being the colder), and its window stays."""
     tree = tree_of(4, swa_window=8)
     m = tree.match("", toks(0, 24), lock=True, session_id="s")
     tree.insert("", toks(0, 24), {FULL: ids(*range(1, 7)), SWA: ids(*range(11, 17))}, lock=m.lock)
     tree.insert("", toks(100, 24), {FULL: ids(*range(21, 27)), SWA: ids(*range(31, 37))})
     tree.match("", toks(100, 24))  # unreferenced one hotter
-    assert freed(tree, DEV, SWA, 1) == [31, 32, 33, 34]  # unreferenced first
-    assert freed(tree, DEV, SWA, 1) == [11, 12, 13, 14]  # referenced: later, not never
+    assert freed(tree, DEV, SWA, 1) == [11, 12, 13, 14]  # colder, and out of the window
+    assert freed(tree, DEV, SWA, 1) == [31, 32, 33, 34]
     assert tree.match("", toks(0, 24)).device_tokens == 24
     tree.close_session("s")
     tree.check_integrity()
