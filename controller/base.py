@@ -208,6 +208,7 @@ class L3Stats:
     corrupt: int = 0  # objects read that failed verification (each a miss)
     corrupt_removed: int = 0  # of those, removed from the store (see tiers/storage/base.py)
     evicted: int = 0  # objects the backend removed to stay within its capacity
+    evicted_pages: int = 0  # of those, pages (see BackendStats.evicted_pages)
 
 
 @dataclass(frozen=True)

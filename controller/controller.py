@@ -809,8 +809,8 @@ class HybridCacheController(CacheService):
             if self.l3 is not None:
                 counters["l3_errors"] = self.l3.errors
         l3 = (self.l3.stats(),) if self.l3 is not None else ()
-        if l3:  # the store's own evictions, in pages (an object holds one member's page)
-            counters["evictions_storage"] = l3[0].evicted // len(self.cfg.model.members)
+        if l3:  # the store's own evictions, in pages (objects of the pages' first member)
+            counters["evictions_storage"] = l3[0].evicted_pages
         return StatsSnapshot(tuple(pools), counters, l3)
 
     def health(self, deep: bool) -> tuple[BackendHealth, ...]:
@@ -866,7 +866,7 @@ def open_l3(cfg: HicacheConfig, host: HostPools) -> L3Store:
         ttl = cfg.storage.redis.ttl_s if cfg.storage.backend is StorageBackendName.REDIS else None
         largest = max(HEADER_BYTES + m.bytes_per_page for m in cfg.model.members)
         return L3Store(backend, host, cfg.model.id, 0, cfg.model.tp_size, object_ttl_s=ttl,
-                       object_bytes=largest)
+                       object_bytes=largest, page_member=cfg.model.family(ComponentKind.FULL)[0].name)
     except BaseException:
         with contextlib.suppress(Exception):
             backend.close()

@@ -57,7 +57,7 @@ class L3OpRecorder:
         return _Timed(self, op)
 
     def snapshot(self, bytes_read: int = 0, bytes_written: int = 0, corrupt: int = 0,
-                 corrupt_removed: int = 0, evicted: int = 0) -> L3Stats:
+                 corrupt_removed: int = 0, evicted: int = 0, evicted_pages: int = 0) -> L3Stats:
         with self._mu:
             ops = tuple(
                 L3OpLatency(op, outcome, tuple(s.counts), s.sum_seconds)
@@ -65,7 +65,7 @@ class L3OpRecorder:
             )
         ops = tuple(sorted(ops, key=lambda s: (s.op.value, s.outcome.value)))
         return L3Stats(self.backend, self.bounds, ops, bytes_read, bytes_written, corrupt,
-                       corrupt_removed, evicted)
+                       corrupt_removed, evicted, evicted_pages)
 
 
 class _Timed:

@@ -29,7 +29,7 @@ from hicache.controller.base import L3Op, L3Outcome, L3Stats
 from hicache.controller.l3_latency import L3OpRecorder
 from hicache.controller.workers import BreakerOpen, CircuitBreaker, ExistenceCache
 from hicache.errors import BackendUnavailable
-from hicache.keys import storage_keys
+from hicache.keys import key_tail, storage_keys
 from hicache.logthrottle import ThrottledLog
 from hicache.tiers.base import HostPools
 from hicache.tiers.storage.base import BackendHealth, GetStatus, PutStatus, StorageBackend
@@ -68,13 +68,16 @@ class L3Store:
     def __init__(self, backend: StorageBackend, host: HostPools, model_id: str,
                  tp_rank: int = 0, tp_size: int = 1, breaker: CircuitBreaker | None = None,
                  cache: ExistenceCache | None = None, object_ttl_s: float | None = None,
-                 object_bytes: int = 0) -> None:
+                 object_bytes: int = 0, page_member: str = "") -> None:
         """`object_ttl_s`: the store expires objects this long after their last read or
         write (Redis's `ttl_s`): what is known present is asked again after half of it.
         `object_bytes`: the largest page object to write (header included; writes raise
         it), the size of the canary that proves a store takes writes again
-        (`probe_writes`)."""
+        (`probe_writes`). `page_member`: the member every stored page has an object of
+        (the FULL family's first): the store's evictions of those count its pages."""
         self.backend = backend
+        if page_member:
+            backend.count_pages_of(key_tail(page_member, tp_rank, tp_size))
         self.object_ttl_s = object_ttl_s
         self.object_bytes = object_bytes
         self.host = host
@@ -349,7 +352,8 @@ class L3Store:
         corrupt objects it found (and removed)."""
         counted = self.backend.stats()
         return self.latency.snapshot(counted.bytes_read, counted.bytes_written, counted.corrupt,
-                                     counted.corrupt_removed, counted.evicted)
+                                     counted.corrupt_removed, counted.evicted,
+                                     counted.evicted_pages)
 
     def _failed(self, e: Exception) -> None:
         self.errors += 1

@@ -96,8 +96,13 @@ def storage_keys(
     lets an operator see and delete one model's objects.
     """
     prefix = key_prefix(namespace, model_id)
-    tails = [f"/{m}/tp{tp_rank}of{tp_size}" for m in members]
+    tails = [key_tail(m, tp_rank, tp_size) for m in members]
     return [f"{prefix}{h.hex()}{tail}" for h in page_hashes for tail in tails]
+
+
+def key_tail(member: str, tp_rank: int = 0, tp_size: int = 1) -> str:
+    """How the key of every object of `member` (for this rank) ends (see `storage_keys`)."""
+    return f"/{member}/tp{tp_rank}of{tp_size}"
 
 
 def storage_key(

@@ -281,11 +281,6 @@ def test_seeded_fuzz_with_sidecars_on_every_anchor(make, config: str, seed: int)
 # ----------------------------------------------------------------------------- L3 evictions
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: HybridCacheController.stats reports evictions_storage as the store's evicted objects "
-    "divided by ALL members (full, sidecars, swa, mamba), but a FULL page is only its family's "
-    "objects (SWA/MAMBA objects exist only for tails and checkpoints), so with a hybrid model "
-    "hicache_evictions_total{tier=storage} counts far fewer pages than the store evicted"))
 def test_storage_evictions_count_the_full_pages_the_store_evicted(make, tmp_path) -> None:
     """README: `hicache_evictions_total{tier="storage"}` counts the store's own evictions in
     pages, as the other tiers count FULL pages. A hybrid model with sidecars (5 members)

@@ -128,6 +128,9 @@ class BackendStats:
     # Objects the backend removed to stay within its capacity (the file backend's
     # `capacity_gb`; Redis and Mooncake evict on their own, uncounted here).
     evicted: int = 0
+    # Of those, pages: objects whose key ends as `count_pages_of` said (one per page),
+    # among those this process wrote or read (the file index keeps no key per object).
+    evicted_pages: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0  # calls that raised BackendUnavailable
@@ -147,6 +150,7 @@ class _Counters:
     deleted: int = 0
     corrupt_removed: int = 0
     evicted: int = 0
+    evicted_pages: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
     unavailable: int = 0
@@ -176,6 +180,7 @@ class StorageBackend(abc.ABC):
         # Times a probe found the store had lost what it held (its caller then forgets
         # what it knew present).
         self.resets = 0
+        self._page_key_tail: str | None = None  # (`count_pages_of`)
 
     # ------------------------------------------------------------------ public contract
 
@@ -183,6 +188,12 @@ class StorageBackend(abc.ABC):
     def start(self) -> None:
         """Connect / prepare the store. Raises `BackendUnavailable` within `timeout_s` when
         the store cannot be reached. Call once, before anything else."""
+
+    def count_pages_of(self, key_tail: str) -> None:
+        """Count the evictions of objects whose key ends with `key_tail` as pages too
+        (`BackendStats.evicted_pages`): one member's objects, one per page. Call before
+        the first write; a backend that does not evict on its own ignores it."""
+        self._page_key_tail = key_tail
 
     def register_host_buffer(self, address: int, size: int) -> None:
         """Announce a host memory region (the L2 pool) that buffers will live in. Backends

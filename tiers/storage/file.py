@@ -133,6 +133,9 @@ class FileBackend(StorageBackend):
         # Evicted from the index, file not unlinked yet: a read of one meanwhile must not
         # record it again (its entry would outlive the file, counting bytes on no disk).
         self._evicting: set[str] = set()
+        # Indexed objects whose key is a page's (`count_pages_of`), among those written or
+        # read since the start (the walk learns no keys): their evictions count as pages.
+        self._pages: set[str] = set()
         self._lock = threading.Lock()
         self._host = _host_tag()
         self._indexer: threading.Thread | None = None
@@ -298,11 +301,12 @@ class FileBackend(StorageBackend):
     def _path(self, h: str) -> str:
         return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
-    def _touch(self, h: str, size: int, reserved: int = 0, *,
-               wrote: bool = False) -> list[tuple[str, int]]:
+    def _touch(self, h: str, size: int, reserved: int = 0, *, wrote: bool = False,
+               key: str = "") -> list[tuple[str, int]]:
         """Record a use of object `h` (`wrote`: a write's; the `reserved` bytes it made room
-        for become its own); returns digests to evict to stay within capacity. A read of an
-        object whose eviction is under way records nothing."""
+        for become its own; `key`: its key, when the store is bounded); returns digests to
+        evict to stay within capacity. A read of an object whose eviction is under way
+        records nothing."""
         with self._lock:
             self._reserved -= reserved
             if wrote:
@@ -312,6 +316,9 @@ class FileBackend(StorageBackend):
             old = self._lru.pop(h, None)
             self._used += size - (old or 0)
             self._lru[h] = size
+            if (self._page_key_tail is not None and self.capacity_bytes is not None
+                    and key.endswith(self._page_key_tail)):
+                self._pages.add(h)
             return self._evict_locked(0)
 
     def _reserve(self, size: int) -> list[tuple[str, int]]:
@@ -342,6 +349,7 @@ class FileBackend(StorageBackend):
         """A read found `h`'s file gone (another node removed it): its entry goes too."""
         with self._lock:
             self._used -= self._lru.pop(h, 0)
+            self._pages.discard(h)
 
     def _unlink(self, victims: Sequence[tuple[str, int]]) -> None:
         """Remove the objects an eviction chose (counted `evicted`). One whose file cannot
@@ -349,7 +357,7 @@ class FileBackend(StorageBackend):
         recently used (the next evictions try others first): its file still takes room."""
         if not victims:
             return
-        removed = 0
+        removed: list[str] = []
         kept: list[tuple[str, int]] = []
         for h, size in victims:
             path = self._path(h)
@@ -362,15 +370,20 @@ class FileBackend(StorageBackend):
                 _bad_path.warning(path, "file: cannot evict %s (%s): it stays, counted "
                                   "against the capacity", path, e.strerror)
                 continue
-            removed += 1
+            removed.append(h)
         with self._lock:
             self._evicting.difference_update(h for h, _ in victims)
             for h, size in kept:
                 if h not in self._lru:  # (not written again meanwhile)
                     self._lru[h] = size
                     self._used += size
+            pages = sum(h in self._pages for h in removed)
+            # Entries no longer indexed (not written again meanwhile) leave the page set.
+            self._pages.difference_update(
+                [h for h, _ in victims if h not in self._lru] if self._pages else ())
         with self._counter_lock:
-            self._counters.evicted += removed
+            self._counters.evicted += len(removed)
+            self._counters.evicted_pages += pages
 
     # ------------------------------------------------------------------ backend hooks
 
@@ -470,7 +483,7 @@ class FileBackend(StorageBackend):
                 os.close(fd)
             if size == buf.nbytes:
                 if track_recency or h not in lru:
-                    self._unlink(self._touch(h, size))
+                    self._unlink(self._touch(h, size, key=key))
                 try:
                     check_object(buf, key, size)
                     size = VERIFIED
@@ -529,7 +542,7 @@ class FileBackend(StorageBackend):
                 if isinstance(e, OSError):
                     raise _unavailable(path, e) from None
                 raise
-            self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True))
+            self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True, key=key))
             out.append(PutStatus.STORED)
         return out
 
@@ -583,7 +596,9 @@ class FileBackend(StorageBackend):
                         raise _unavailable(path, e) from None
                     # Not an object of ours there (a directory, a file where its folder
                     # belongs): nothing to remove; the other keys still go.
-                self._used -= self._lru.pop(os.path.basename(path)[: -len(SUFFIX)], 0)
+                h = os.path.basename(path)[: -len(SUFFIX)]
+                self._used -= self._lru.pop(h, 0)
+                self._pages.discard(h)
             if key.startswith(CANARY_PREFIX):
                 # A health check's canary has a fresh key each time: its fan-out folders,
                 # made for it, go with it (a probe every 10 s would leave thousands).
@@ -599,6 +614,7 @@ class FileBackend(StorageBackend):
                 make_dirs(self.root, GROUP_DIR_MODE)
                 with self._lock:
                     self._lru.clear()
+                    self._pages.clear()
                     self._used = 0
                 self._folders = set()
                 self.resets += 1
@@ -639,6 +655,7 @@ class FileBackend(StorageBackend):
             dropped = [h for h in self._lru if h[:2] in gone]
             for h in dropped:
                 self._used -= self._lru.pop(h)
+                self._pages.discard(h)
         if dropped:
             self.resets += 1
             log.warning("L3 file backend: %d fan-out folders of %s were removed (the %d "

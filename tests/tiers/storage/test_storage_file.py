@@ -70,6 +70,24 @@ def test_removing_an_object_whose_file_is_gone_drops_it_from_the_capacity_index(
     assert backend.used_bytes == 0
 
 
+def test_evictions_count_pages_by_the_key_tail_they_were_given(tmp_path: Path) -> None:
+    """`count_pages_of(tail)`: of the evicted objects, those whose key ends with `tail`
+    are pages (one member's objects); objects removed by someone else (the eviction finds
+    no file) are no eviction, and the page set holds indexed objects only."""
+    backend = _backend(tmp_path, capacity_objects=4)
+    backend.count_pages_of("/kv/tp0of1")
+    names = [f"hc2/ns/m/{i:032x}/{member}/tp0of1" for i in range(4) for member in ("kv", "swa")]
+    backend.put_from(names[:4], Pool(4).slots())  # pages 0 and 1: kv + swa each
+    os.unlink(backend.path_of(names[0]))  # another node removed page 0's kv object
+    backend.put_from(names[4:], Pool(4, seed=3).slots())  # evicts all four older ones
+    stats = backend.stats()
+    assert (stats.evicted, stats.evicted_pages) == (3, 1)  # page 1's kv; page 0's was gone
+    assert backend._pages <= set(backend._lru) and len(backend._pages) == 2
+    backend.put_from([f"hc2/ns/m/{9:032x}/kv/tp1of2"], Pool(1).slots())  # another rank's
+    assert backend.stats().evicted_pages == 2  # (it evicted page 2's kv object)
+    assert len(backend._pages) == 1
+
+
 def _files(path: Path) -> int:
     return sum(name.endswith(".kv") for _, _, names in os.walk(path) for name in names)
 
