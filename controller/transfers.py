@@ -9,6 +9,7 @@ the backup worker).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendUnavailable, InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
 from hicache.logthrottle import ThrottledLog
-from hicache.tree import MatchResult, TreeLock, Victim
+from hicache.tree import KEEP_THE_REST, MatchResult, TreeLock, Victim
 from hicache.types import ComponentKind, PageHash, Tier, WritePolicy
 
 if TYPE_CHECKING:
@@ -160,6 +161,13 @@ class Transfers:
         # Nodes with a copy queued, so a second request over the same path does not queue
         # (and write) it again.
         self._queued_l2: set[int] = set()
+        # Those a flush took and is copying now (by id of the HostCopy).
+        self._copying: dict[int, HostCopy] = {}
+        # Set while an L1 allocation that may wait for copies evicts: a victim that ranks
+        # after a node whose copy is queued is kept (`_l1_victim_write_through`), and the
+        # allocation waits for the copy, then takes that node first (its pin held it).
+        self._copies_first = False
+        self._kept_for_copies = False
         self._flushing = threading.Lock()  # (`flush`: one at a time)
         self._queued_l3: set[int] = set()
         # write_through: nodes whose L1->L2 copy found no room (L2's pages held by L3
@@ -286,20 +294,37 @@ class Transfers:
         return self._allocate(Tier.HOST, kind, n, wait_for_copies=False, wait_s=0.0)
 
     def _allocate(self, tier: Tier, kind: ComponentKind, n: int, *,
-                  wait_for_copies: bool = True, wait_s: float = BACKPRESSURE_S) -> np.ndarray:
+                  wait_for_copies: bool = True, wait_s: float | None = None) -> np.ndarray:
+        """`wait_s`: how long it may wait for queued copies (None: `BACKPRESSURE_S`)."""
         alloc = self._allocators[tier][kind]
         if alloc.free_count >= n:
             return alloc.allocate(n)
         if n > alloc.total:  # no eviction can make room: do not empty the pool trying
             raise self._no_room(tier, kind, n)
+        if wait_s is None:
+            wait_s = BACKPRESSURE_S
         deadline = time.monotonic() + wait_s
         kept_until: float | None = None
+        copies_first = tier is Tier.DEVICE and wait_for_copies and wait_s > 0
         while True:
             # Evicting only when it can make room: a request that cannot fit (the rest is
             # locked, pinned or held by allocations) must not empty the pool trying.
             if alloc.free_count < n <= self._reachable(tier, kind):
                 kept = self.stats["l1_evictions_deferred"]
-                self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
+                self._copies_first, self._kept_for_copies = copies_first, False
+                try:
+                    self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
+                finally:
+                    self._copies_first = False
+                if alloc.free_count < n and self._kept_for_copies:
+                    # Victims that rank after a node whose copy is queued: that node goes
+                    # first once its copy landed (waited for at most `wait_s`; then they go).
+                    left = deadline - time.monotonic()
+                    if left > 0 and self._queued_l2 and not self._evicting:
+                        self._wait_for_copies(left)
+                    else:
+                        copies_first = False
+                    continue
                 if alloc.free_count < n and self.stats["l1_evictions_deferred"] > kept:
                     # Victims kept in L1 until L2 has room for their copy (`_l1_victim`):
                     # it comes as L3 writes land. Waited for a moment only (nothing on the
@@ -440,13 +465,15 @@ class Transfers:
 
     # ------------------------------------------------------------------ write policies
 
-    def _victim_callback(self, tier: Tier) -> Callable[[Victim], bool | None] | None:
+    def _victim_callback(self, tier: Tier) -> Callable[[Victim], bool | int | None] | None:
         """What must happen before a slot leaves `tier` (a write-back), or None: then the
         tree builds no victim descriptions at all."""
         if tier is Tier.DEVICE:
             policy = self.cfg.write.l1_to_l2
             if policy is WritePolicy.WRITE_BACK:
                 return self._l1_victim
+            if self._copies_first and self._queued_l2:
+                return self._l1_victim_write_through
             return self._l1_victim_uncopied if self._uncopied else None
         # (an L3 that has not connected yet, `l3_down`, loses what leaves: counted there)
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and (
@@ -494,6 +521,19 @@ class Transfers:
         is owed: its new head owes one too."""
         if self._uncopied and self._uncopied.get(id(tail)) is tail:
             self._note_uncopied(head)
+
+    def _l1_victim_write_through(self, victim: Victim) -> bool | int:
+        """write_through, an allocation that may wait for copies evicting: a FULL victim
+        that ranks after a node whose L1->L2 copy is queued (a session-referenced path, a
+        hotter one) is kept, since that node goes first once its copy landed and its pin
+        is gone; else as `_l1_victim_uncopied`."""
+        node = victim.node
+        if FULL in victim.pages:
+            for copy in itertools.chain(self._pending_l2, self._copying.values()):
+                if self.tree.evicts_before(Tier.DEVICE, FULL, copy.node, node):
+                    self._kept_for_copies = True
+                    return KEEP_THE_REST  # (the later victims rank after this one)
+        return self._l1_victim_uncopied(victim) if self._uncopied else False
 
     def _l1_victim_uncopied(self, victim: Victim) -> bool:
         """write_through (and a selective node whose copy was due): a slot whose copy found
@@ -734,6 +774,7 @@ class Transfers:
             batch = self._take_pending()
             if not batch:
                 return
+            self._copying.update((id(copy), copy) for copy in batch)
             try:
                 self._reserve_host(batch)
             except BaseException:
@@ -838,6 +879,8 @@ class Transfers:
         here, so a flush counted has landed (counted when it started, a reader could see
         it before its pages were in L2)."""
         self.stats["l2_flushes"] += 1
+        for copy in batch:
+            self._copying.pop(id(copy), None)
         landed: dict[int, object] = {}
         l3 = self.ctl.l3 is not None  # (else `_maybe_l3` has nothing to do: no list to build)
         for copy in batch:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hicache.tree.core import HiRadixTree
+from hicache.tree.core import KEEP_THE_REST, HiRadixTree
 from hicache.tree.results import EvictResult, InsertResult, MatchResult, TreeLock, Victim
 
-__all__ = ["EvictResult", "HiRadixTree", "InsertResult", "MatchResult", "TreeLock", "Victim"]
+__all__ = ["KEEP_THE_REST", "EvictResult", "HiRadixTree", "InsertResult", "MatchResult", "TreeLock", "Victim"]

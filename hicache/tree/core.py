@@ -73,9 +73,19 @@ def _any_equal(a: np.ndarray, b: np.ndarray) -> bool:
     if len(a) <= _SMALL:
         return any(map(operator.eq, a.tolist(), b.tolist()))
     return any_of(a == b)
+
+
+class _KeepTheRest(int):
+    """`KEEP_THE_REST`: a `before_drop` answer (truthy: keeps this victim too)."""
+
+
+#: What `before_drop` returns to keep this victim and end the eviction there (every
+#: later victim would be kept too: they rank after it).
+KEEP_THE_REST = _KeepTheRest(1)
+
 # What must happen before a slot leaves a tier (a write-back); True keeps it there for
 # now (its copy could not be made yet): it stays queued for the next eviction.
-BeforeDrop = Callable[[Victim], "bool | None"]
+BeforeDrop = Callable[[Victim], "bool | int | None"]
 
 
 def _common_ancestor(a: Node | None, b: Node | None) -> Node | None:
@@ -426,6 +436,14 @@ class HiRadixTree:
         )
         self._lock(lock)
         return lock
+
+    def evicts_before(self, tier: Tier, kind: ComponentKind, node: object, than: object) -> bool:
+        """Whether evicting `kind` from `tier` would take `node`'s slot before `than`'s,
+        were `node` not locked (a live candidate that ranks lower)."""
+        assert isinstance(node, Node) and isinstance(than, Node)
+        if not self.is_live(node):
+            return False
+        return self._queues[tier][self._by_kind[kind].index].goes_before(node, than)
 
     def lock_path(self, lock: TreeLock) -> tuple[object, ...]:
         """The nodes a lock covers, root first (for the controller's load plan)."""
@@ -1303,9 +1321,13 @@ class HiRadixTree:
                 continue  # re-offered when the window below it moves
             if keep:
                 target = self._split(node, node.npages - keep)
-            if before_drop is not None and before_drop(self._victim(target, comp, tier)):
-                queue.park(target)  # kept for now (its copy comes later)
-                continue
+            if before_drop is not None:
+                kept = before_drop(self._victim(target, comp, tier))
+                if kept:
+                    queue.park(target)  # kept for now (its copy comes later)
+                    if kept is KEEP_THE_REST:
+                        break
+                    continue
             if not target.mask[comp.index] & (1 << tier):
                 continue  # the callback already moved it
             if (comp.index == FULL_INDEX and target.children

@@ -525,14 +525,6 @@ def test_a_sessions_references_keep_its_path_in_l1_until_it_closes(
     assert kept == ([0, 0, 2, 2] if closed else [2, 0, 0, 2])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a session-referenced path leaves L1 before an unreferenced one whose L1->L2 "
-        "write-through copy is still queued (the copy pins it, so the eviction skips it and "
-        "takes the referenced one instead of waiting for the copy)"
-    ),
-)
 def test_a_referenced_path_outlives_an_unreferenced_one_whose_copy_is_queued(
     make_daemon: MakeDaemon,
 ) -> None:
