@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -346,3 +347,58 @@ def test_deep_health_runs_a_canary_and_leaves_nothing_behind(store: Store) -> No
     assert health.healthy, health.detail
     assert "canary" in health.detail and health.latency_ms > 0
     assert store.counted("stored") == 0  # the canary bypasses the counters
+
+
+class _TornFirstRead:
+    """A Mooncake client whose next `batch_get_into` returns torn bytes (one payload byte
+    of each object it read flipped), as a read racing a forced delete can; the rest is
+    the real client's."""
+
+    def __init__(self, real: object, torn_reads: int) -> None:
+        self._real = real
+        self.torn_reads = torn_reads
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def batch_get_into(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[int]:
+        codes = self._real.batch_get_into(keys, addrs, sizes)  # type: ignore[attr-defined]
+        self.reads += 1
+        if self.reads <= self.torn_reads:
+            for addr, code in zip(addrs, codes, strict=True):
+                if code > HEADER_BYTES + 100:
+                    byte = ctypes.c_uint8.from_address(addr + HEADER_BYTES + 100)
+                    byte.value ^= 0xFF
+        return codes
+
+
+@pytest.mark.parametrize(("torn_reads", "status"), [(1, GetStatus.HIT), (2, GetStatus.CORRUPT)])
+def test_mooncake_reads_a_failed_check_again_before_calling_it_corrupt(
+    mooncake_pair: tuple[StorageBackend, StorageBackend], monkeypatch: pytest.MonkeyPatch,
+    torn_reads: int, status: GetStatus,
+) -> None:
+    """A read racing a delete fails its check once: read again, it is the good object,
+    a hit, and the object stays (its removal would lose a good copy). Torn twice, it is
+    corrupt and removed."""
+    backend, _ = mooncake_pair
+    src, dst = Pool(1, seed=7).register(backend), Pool(1, seed=None).register(backend)
+    (key,) = keys(1)
+    try:
+        assert backend.put_from([key], src.slots()) == [PutStatus.STORED]
+        before = backend.stats()
+        torn = _TornFirstRead(backend.store, torn_reads)  # type: ignore[attr-defined]
+        monkeypatch.setattr(backend, "_store", torn)
+        assert backend.get_into([key], dst.slots()) == [status]
+        monkeypatch.undo()
+        after = backend.stats()
+        assert torn.reads == 2
+        assert (after.corrupt - before.corrupt, after.corrupt_removed - before.corrupt_removed) == (
+            (0, 0) if status is GetStatus.HIT else (1, 1))
+        assert backend.exists_prefix([key]) == (1 if status is GetStatus.HIT else 0)
+        if status is GetStatus.HIT:
+            assert np.array_equal(dst.pages[0], src.pages[0])
+    finally:
+        backend.delete([key])
+        for pool in (src, dst):
+            backend.unregister_host_buffer(pool.memory.ctypes.data)
