@@ -9,7 +9,6 @@ the backup worker).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -109,6 +108,7 @@ class HostCopy:
     slots: list[tuple[ComponentKind, np.ndarray]]
     pin: TreeLock
     moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]] = field(default_factory=list)
+    heads: list[object] = field(default_factory=list)  # split off `node` while queued
 
     @property
     def pages(self) -> int:
@@ -158,11 +158,9 @@ class Transfers:
         self._held_l2: dict[ComponentKind, Counter[int]] = {}
         self._parked_l2: dict[ComponentKind, list[int]] = {}
         self._in_flight: dict[ComponentKind, list[np.ndarray]] = {}  # host pages owned by jobs
-        # Nodes with a copy queued, so a second request over the same path does not queue
-        # (and write) it again.
-        self._queued_l2: set[int] = set()
-        # Those a flush took and is copying now (by id of the HostCopy).
-        self._copying: dict[int, HostCopy] = {}
+        # Nodes with a copy queued (by id: the copy), so a second request over the same
+        # path does not queue (and write) it again.
+        self._queued_l2: dict[int, HostCopy] = {}
         # Set while an L1 allocation that may wait for copies evicts: a victim that ranks
         # after a node whose copy is queued is kept (`_l1_victim_write_through`), and the
         # allocation waits for the copy, then takes that node first (its pin held it).
@@ -311,12 +309,15 @@ class Transfers:
             # locked, pinned or held by allocations) must not empty the pool trying.
             if alloc.free_count < n <= self._reachable(tier, kind):
                 kept = self.stats["l1_evictions_deferred"]
+                # (saved and restored: an L2 allocation may run inside an L1 eviction)
+                outer = self._copies_first, self._kept_for_copies
                 self._copies_first, self._kept_for_copies = copies_first, False
                 try:
                     self._evict(tier, kind, n - alloc.free_count + self._ahead[tier][kind])
                 finally:
-                    self._copies_first = False
-                if alloc.free_count < n and self._kept_for_copies:
+                    kept_for_copies = self._kept_for_copies
+                    self._copies_first, self._kept_for_copies = outer
+                if alloc.free_count < n and kept_for_copies:
                     # Victims that rank after a node whose copy is queued: that node goes
                     # first once its copy landed (waited for at most `wait_s`; then they go).
                     left = deadline - time.monotonic()
@@ -473,7 +474,7 @@ class Transfers:
             if policy is WritePolicy.WRITE_BACK:
                 return self._l1_victim
             if self._copies_first and self._queued_l2:
-                return self._l1_victim_write_through
+                return self._l1_victim_after_copies()
             return self._l1_victim_uncopied if self._uncopied else None
         # (an L3 that has not connected yet, `l3_down`, loses what leaves: counted there)
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and (
@@ -518,22 +519,33 @@ class Transfers:
 
     def _split_uncopied(self, tail: object, head: object) -> None:
         """Caller holds the mutex (the tree splits under it). A split node whose copy
-        is owed: its new head owes one too."""
+        is owed: its new head owes one too. One whose copy is queued: that copy covers
+        the head too (it lands over `_span`), which must not queue a second one."""
         if self._uncopied and self._uncopied.get(id(tail)) is tail:
             self._note_uncopied(head)
+        copy = self._queued_l2.get(id(tail))
+        if copy is not None:
+            copy.heads.append(head)
+            self._queued_l2[id(head)] = copy
 
-    def _l1_victim_write_through(self, victim: Victim) -> bool | int:
+    def _l1_victim_after_copies(self) -> Callable[[Victim], bool | int]:
         """write_through, an allocation that may wait for copies evicting: a FULL victim
         that ranks after a node whose L1->L2 copy is queued (a session-referenced path, a
-        hotter one) is kept, since that node goes first once its copy landed and its pin
-        is gone; else as `_l1_victim_uncopied`."""
-        node = victim.node
-        if FULL in victim.pages:
-            for copy in itertools.chain(self._pending_l2, self._copying.values()):
-                if self.tree.evicts_before(Tier.DEVICE, FULL, copy.node, node):
+        hotter one), held by nothing but its copy's pin, is kept, since that node goes
+        first once its copy landed; else as `_l1_victim_uncopied`."""
+        ranks = [self.tree.eviction_rank(Tier.DEVICE, FULL, copy.node, locks=1)
+                 for key, copy in self._queued_l2.items() if key == id(copy.node)]
+        first = min((r for r in ranks if r is not None), default=None)
+
+        def before_drop(victim: Victim) -> bool | int:
+            if first is not None and FULL in victim.pages:
+                rank = self.tree.eviction_rank(Tier.DEVICE, FULL, victim.node)
+                if rank is not None and rank > first:
                     self._kept_for_copies = True
                     return KEEP_THE_REST  # (the later victims rank after this one)
-        return self._l1_victim_uncopied(victim) if self._uncopied else False
+            return self._l1_victim_uncopied(victim) if self._uncopied else False
+
+        return before_drop
 
     def _l1_victim_uncopied(self, victim: Victim) -> bool:
         """write_through (and a selective node whose copy was due): a slot whose copy found
@@ -598,6 +610,13 @@ class Transfers:
         if not self.backup_worker.submit(Job("write-back", run, lambda _e: release())):
             self.stats["backups_dropped"] += full_pages
             self._release_for_l3(pages, writing)  # not parked yet: the eviction frees them now
+
+    def _unqueue(self, copy: HostCopy) -> None:
+        """Caller holds the mutex. A queued copy ended: the nodes it covers (its node and
+        the heads splits made of it) may queue copies again."""
+        for node in (copy.node, *copy.heads):
+            if self._queued_l2.get(id(node)) is copy:
+                del self._queued_l2[id(node)]
 
     def _span(self, end: object, pages: int) -> list[tuple[object, int, int]]:
         """The nodes that now hold the last `pages` pages of the path to `end`, root
@@ -713,10 +732,10 @@ class Transfers:
         slots = self._missing_in_host(node)
         if not slots:
             return
-        self._queued_l2.add(id(node))
         if not self._pending_l2:
             self._pending_since = time.monotonic()
         copy = HostCopy(node, slots, self.tree.pin(node))
+        self._queued_l2[id(node)] = copy
         self._pending_l2.append(copy)
         self._pending_pages += copy.pages
         self._schedule_l2_flush()
@@ -774,7 +793,6 @@ class Transfers:
             batch = self._take_pending()
             if not batch:
                 return
-            self._copying.update((id(copy), copy) for copy in batch)
             try:
                 self._reserve_host(batch)
             except BaseException:
@@ -879,14 +897,12 @@ class Transfers:
         here, so a flush counted has landed (counted when it started, a reader could see
         it before its pages were in L2)."""
         self.stats["l2_flushes"] += 1
-        for copy in batch:
-            self._copying.pop(id(copy), None)
         landed: dict[int, object] = {}
         l3 = self.ctl.l3 is not None  # (else `_maybe_l3` has nothing to do: no list to build)
         for copy in batch:
             node, moves = copy.node, copy.moves
             if not moves:  # no room in L2: nothing was reserved
-                self._queued_l2.discard(id(node))
+                self._unqueue(copy)
                 self.tree.unlock(copy.pin)
                 self._note_uncopied(node)
                 continue
@@ -917,7 +933,7 @@ class Transfers:
                             self.stats["backups_l2"] += hi - lo
                     else:
                         self.free_l2(kind, host_ids[lo:hi])
-            self._queued_l2.discard(id(node))
+            self._unqueue(copy)
             self.tree.unlock(copy.pin)
             if l3:
                 landed.update((id(part), part) for part, _, _ in span)

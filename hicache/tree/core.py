@@ -437,13 +437,15 @@ class HiRadixTree:
         self._lock(lock)
         return lock
 
-    def evicts_before(self, tier: Tier, kind: ComponentKind, node: object, than: object) -> bool:
-        """Whether evicting `kind` from `tier` would take `node`'s slot before `than`'s,
-        were `node` not locked (a live candidate that ranks lower)."""
-        assert isinstance(node, Node) and isinstance(than, Node)
-        if not self.is_live(node):
-            return False
-        return self._queues[tier][self._by_kind[kind].index].goes_before(node, than)
+    def eviction_rank(self, tier: Tier, kind: ComponentKind, node: object, locks: int = 0) -> int | None:
+        """Where `node`'s slot of `kind` stands in `tier`'s eviction order (lower goes
+        first), were it held by no more than `locks` locks; None when it is no candidate
+        now (not live, structurally kept, or locked more)."""
+        assert isinstance(node, Node)
+        comp = self._by_kind[kind]
+        if node.lock[self._lock_idx[comp.index]] > locks or not self.is_live(node):
+            return None
+        return self._queues[tier][comp.index].rank_of(node)
 
     def lock_path(self, lock: TreeLock) -> tuple[object, ...]:
         """The nodes a lock covers, root first (for the controller's load plan)."""

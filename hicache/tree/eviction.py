@@ -52,9 +52,9 @@ class EvictionQueue:
     def __len__(self) -> int:
         return len(self._heap) + len(self._pending) + len(self._parked)
 
-    def goes_before(self, node: Node, than: Node) -> bool:
-        """Whether `node`'s slot, a candidate (locks aside), ranks before `than`'s."""
-        return self._is_candidate(node) and self._rank(node) < self._rank(than)
+    def rank_of(self, node: Node) -> int | None:
+        """`node`'s slot's rank now if it is a candidate (locks aside), else None."""
+        return self._rank(node) if self._is_candidate(node) else None
 
     def unpark(self) -> None:
         """Put the candidates an eviction kept for later (`park`) back in the heap, with

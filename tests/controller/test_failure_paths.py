@@ -126,13 +126,13 @@ def test_a_synchronous_backup_never_waits_for_room_in_l2(make) -> None:
     ctl.match("e1", MatchRequest("", seq(4)))  # one hit below the threshold
     host = ctl.host.allocator(FULL)
     filler = host.allocate(host.free_count)  # L2 full ...
-    ctl.transfers._queued_l2.add(-1)  # ... and a copy in flight that could make room
+    ctl.transfers._queued_l2[-1] = None  # ... and a copy in flight that could make room
     try:
         ctl.match("e1", MatchRequest("", seq(4)))  # the threshold: a backup now
         assert ctl.transfers.stats["allocation_waits"] == 0
         assert ctl.transfers.stats["backups_l2_skipped"] >= 1
     finally:
-        ctl.transfers._queued_l2.discard(-1)
+        del ctl.transfers._queued_l2[-1]
         host.free(filler)
 
 

@@ -503,6 +503,8 @@ class FileBackend(StorageBackend):
             h = key_digest(key).hex()
             path = self._path(h)
             if _holds_whole(path, key, buf.nbytes):
+                if self.capacity_bytes is not None:  # used: recent again (and its key known)
+                    self._unlink(self._touch(h, buf.nbytes, key=key))
                 out.append(PutStatus.PRESENT)
                 continue
             tmp = path + tmp_suffix
