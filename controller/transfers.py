@@ -162,7 +162,7 @@ class Transfers:
         # path does not queue (and write) it again.
         self._queued_l2: dict[int, HostCopy] = {}
         # Set while an L1 allocation that may wait for copies evicts: a victim that ranks
-        # after a node whose copy is queued is kept (`_l1_victim_write_through`), and the
+        # after a node whose copy is queued is kept (`_l1_victim_after_copies`), and the
         # allocation waits for the copy, then takes that node first (its pin held it).
         self._copies_first = False
         self._kept_for_copies = False
@@ -172,7 +172,7 @@ class Transfers:
         # writes in flight), copied as they leave L1 (`_l1_victim_uncopied`); while there
         # are none, L1 evictions take no callback (it cost ~5 us an evicted node).
         self._uncopied: OrderedDict[int, object] = OrderedDict()
-        self.tree.on_split = self._split_uncopied
+        self.tree.on_split = self._on_split
         # L1->L2 write-through copies waiting for the copy worker's next flush, in order;
         # their pages (FULL's), and when the oldest was queued.
         self._pending_l2: list[HostCopy] = []
@@ -517,7 +517,7 @@ class Transfers:
             if len(self._uncopied) > MAX_UNCOPIED:  # (the oldest most likely left L1)
                 self._uncopied.popitem(last=False)
 
-    def _split_uncopied(self, tail: object, head: object) -> None:
+    def _on_split(self, tail: object, head: object) -> None:
         """Caller holds the mutex (the tree splits under it). A split node whose copy
         is owed: its new head owes one too. One whose copy is queued: that copy covers
         the head too (it lands over `_span`), which must not queue a second one."""

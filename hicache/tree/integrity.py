@@ -58,6 +58,10 @@ def check_tree(tree: HiRadixTree) -> None:
             if node.depth - node.npages >= session.window_top:
                 for comp in t._window_comps:
                     bump(expect_sref, node, comp.index)
+            else:  # (the node the window begins in was split there: none straddles it)
+                assert node.depth <= session.window_top, (
+                    f"a node ({node.depth - node.npages}p..{node.depth}p) straddles a "
+                    f"session's window start ({session.window_top}p)")
             node = node.parent
         if end is not None:
             for comp in t._point_comps:

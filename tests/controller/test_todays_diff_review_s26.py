@@ -1,7 +1,7 @@
 """Review of f429090..ff71306: SWA session references over the trailing window only
 (`_window_top`, `_session_refs`), L3 evictions counted in pages (`count_pages_of`, the file
 backend's `_pages`), and L1 allocations that wait for queued write-through copies
-(`_l1_victim_write_through`, `KEEP_THE_REST`). The three bugs it found (a write that
+(`_l1_victim_after_copies`, `KEEP_THE_REST`). The three bugs it found (a write that
 finds its object present never counted as a page, a wait for the copy of a node another
 lock holds, a window split's head copied twice) are fixed; the tests pin the fixes."""
 
