@@ -18,7 +18,7 @@ its pages; a flush loses nothing the cache held; a finished prefetch's pages are
 L1/L2. At the end every handle is released and both pools drain empty (nothing leaked).
 
 The bugs the fuzz found have their regression tests in test_write_through.py.
-For a longer hunt, raise `max_examples` (and set `derandomize=False`) in `SETTINGS`."""
+For a longer hunt: HICACHE_FUZZ_EXAMPLES=N HICACHE_FUZZ_RANDOM=1 (tests/fuzzing.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 from engine_sim import Engine, evict_all, seq, tiny_config, toks
+from fuzzing import fuzz_examples, fuzz_settings
 from hypothesis import HealthCheck, Phase, event, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -1027,8 +1028,7 @@ class ControllerFuzz(RuleBasedStateMachine):
                 self._check_held(r)
 
 
-SETTINGS = settings(max_examples=40, stateful_step_count=25, deadline=None, derandomize=True,
-                    database=None, suppress_health_check=list(HealthCheck),
+SETTINGS = settings(fuzz_settings(40, *HealthCheck), stateful_step_count=25,
                     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 
 
@@ -1055,7 +1055,7 @@ class HybridFuzz(ControllerFuzz):
 TestPlainFuzz = PlainFuzz.TestCase
 TestPlainFuzz.settings = SETTINGS
 TestHybridFuzz = HybridFuzz.TestCase
-TestHybridFuzz.settings = settings(SETTINGS, max_examples=20)  # (slower: ~1-1.5 s an example)
+TestHybridFuzz.settings = settings(SETTINGS, max_examples=fuzz_examples(20))  # (~1-1.5 s an example)
 
 # The bugs this fuzz found (write-back L1 -> L2: an interior node stuck in L1, a flush that
 # evicted unwritten L2 data, a written-back node never written through to L3) have their

@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Iterator
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_examples, fuzz_settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.tree import HiRadixTree
@@ -242,12 +243,7 @@ def run_sequence(kinds: tuple[ComponentKind, ...], ops: list, backed_up: bool = 
         check_step(tree, oracle)
 
 
-SETTINGS = settings(
-    max_examples=1000,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=True,
-)
+SETTINGS = fuzz_settings(1000)
 
 
 @SETTINGS
@@ -262,13 +258,13 @@ def test_full_swa_mamba_against_oracle(ops: list) -> None:
     run_sequence((FULL, SWA, MAMBA), ops)
 
 
-@settings(SETTINGS, max_examples=400)
+@settings(SETTINGS, max_examples=fuzz_examples(400))
 @given(st.lists(op_st, min_size=1, max_size=30))
 def test_full_only_with_write_back_l1_against_oracle(ops: list) -> None:
     run_sequence((FULL,), ops, backed_up=True)
 
 
-@settings(SETTINGS, max_examples=400)
+@settings(SETTINGS, max_examples=fuzz_examples(400))
 @given(st.lists(op_st, min_size=1, max_size=30))
 def test_full_swa_mamba_with_write_back_l1_against_oracle(ops: list) -> None:
     run_sequence((FULL, SWA, MAMBA), ops, backed_up=True)

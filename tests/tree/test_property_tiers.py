@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from fuzzing import fuzz_settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.tree import HiRadixTree
@@ -152,8 +153,7 @@ def run_sequence(kinds, ops):
         check_step(tree, oracle)
 
 
-SETTINGS = settings(max_examples=400, deadline=None, derandomize=True, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(fuzz_settings(400), print_blob=True)
 
 
 @SETTINGS
