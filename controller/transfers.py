@@ -1169,24 +1169,28 @@ class Transfers:
                   ) -> dict[tuple[int, ComponentKind], tuple[int, np.ndarray]] | None:
         """Caller holds the mutex. For each paged slot of `wanted`, (its first token page
         counted from the allocation's start, the allocation's pages that stand for it),
-        when the FULL slots are exactly the allocation's first pages, in order, and every
-        other paged slot lies among them; None otherwise (the load takes pages of its own).
-        Every paged slot is then lent (only a MAMBA checkpoint takes a slot of its own)."""
+        when the FULL slots are one run of the allocation's pages, in order, and every
+        other paged slot lies among the allocation's pages up to that run's end; None
+        otherwise (the load takes pages of its own). Every paged slot is then lent (only
+        a MAMBA checkpoint takes a slot of its own). The run may start past the
+        allocation's start: the FULL pages before it are in L1 already (the match's
+        boundary lies above them, e.g. at a hybrid model's checkpoint), and the
+        allocation's pages for them go with the load, unused."""
         ps = self.cfg.model.page_size
         out: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]] = {}
-        at = 0  # the FULL pages tiled so far (`_wanted_in_l1` lists FULL slots first)
+        at = -1  # where the next FULL slot begins (`_wanted_in_l1` lists FULL slots first)
         for node, kind, ids in wanted:
             if kind not in lend.pages:  # (MAMBA: a checkpoint slot, not a page)
                 continue
             lo = self.tree.depth_tokens(node) // ps - len(ids) - lend.start_page
             if kind is FULL:
-                if lo != at or at + len(ids) > len(lend.pages[FULL]):
+                if lo < 0 or (at >= 0 and lo != at) or lo + len(ids) > len(lend.pages[FULL]):
                     return None
-                at += len(ids)
+                at = lo + len(ids)
             elif lo < 0 or lo + len(ids) > at:
                 return None
             out[(id(node), kind)] = (lo, lend.pages[kind][lo : lo + len(ids)])
-        return out if at else None
+        return out if at > 0 else None
 
     def _still_lendable(self, lend: AllocationRecord,
                         lendable: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]]) -> bool:
@@ -1198,8 +1202,9 @@ class Transfers:
 
     def _borrow(self, lend: AllocationRecord,
                 lendable: dict[tuple[int, ComponentKind], tuple[int, np.ndarray]]) -> LentPages:
-        """Take the allocation's first pages (as many as the FULL slots load) for the op."""
-        n = sum(len(ids) for (_, kind), (_, ids) in lendable.items() if kind is FULL)
+        """Take the allocation's first pages, up to the end of the FULL slots it loads,
+        for the op."""
+        n = max(lo + len(ids) for (_, kind), (lo, ids) in lendable.items() if kind is FULL)
         taken = {kind: lend.pages[kind][:n] for kind in lend.pages}
         used: dict[ComponentKind, np.ndarray] = {}
         for (_, kind), (lo, ids) in lendable.items():
