@@ -167,7 +167,9 @@ class Transfers:
         self._copies_first = False
         self._kept_for_copies = False
         self._flushing = threading.Lock()  # (`flush`: one at a time)
-        self._queued_l3: set[int] = set()
+        # Nodes with an L3 write queued or running, by id: the nodes that write covers
+        # (its node, then the heads splits made of it meanwhile), one list per write.
+        self._queued_l3: dict[int, list[object]] = {}
         # write_through: nodes whose L1->L2 copy found no room (L2's pages held by L3
         # writes in flight), copied as they leave L1 (`_l1_victim_uncopied`); while there
         # are none, L1 evictions take no callback (it cost ~5 us an evicted node).
@@ -276,8 +278,9 @@ class Transfers:
             self._wait_for_copies(left)
         got: dict[ComponentKind, np.ndarray] = {}
         try:
-            for kind, n in need.items():
-                got[kind] = self._allocate(Tier.DEVICE, kind, n)
+            for kind, n in need.items():  # (the kinds share the one bound on waiting)
+                got[kind] = self._allocate(Tier.DEVICE, kind, n,
+                                           wait_s=max(0.0, deadline - time.monotonic()))
         except BaseException:
             for kind, ids in got.items():
                 self.free_l1(kind, ids)
@@ -520,13 +523,18 @@ class Transfers:
     def _on_split(self, tail: object, head: object) -> None:
         """Caller holds the mutex (the tree splits under it). A split node whose copy
         is owed: its new head owes one too. One whose copy is queued: that copy covers
-        the head too (it lands over `_span`), which must not queue a second one."""
+        the head too (it lands over `_span`), which must not queue a second one; the same
+        for a queued L3 write."""
         if self._uncopied and self._uncopied.get(id(tail)) is tail:
             self._note_uncopied(head)
         copy = self._queued_l2.get(id(tail))
         if copy is not None:
             copy.heads.append(head)
             self._queued_l2[id(head)] = copy
+        covered = self._queued_l3.get(id(tail))
+        if covered is not None:  # (the same for a queued L3 write)
+            covered.append(head)
+            self._queued_l3[id(head)] = covered
 
     def _l1_victim_after_copies(self) -> Callable[[Victim], bool | int]:
         """write_through, an allocation that may wait for copies evicting: a FULL victim
@@ -1005,17 +1013,21 @@ class Transfers:
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
         writing = self._hold_for_l3(namespace, hashes, pages)
-        self._queued_l3.add(id(node))
+        covered: list[object] = [node]
+        self._queued_l3[id(node)] = covered
 
         def finish(stored: bool, failed: bool = True) -> None:
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
-                self._queued_l3.discard(id(node))
+                for part in covered:
+                    if self._queued_l3.get(id(part)) is covered:
+                        del self._queued_l3[id(part)]
                 if not stored:
                     self.stats["backups_l3_failed"] += int(failed)
                     return
-                # NOTE: a split meanwhile leaves the pinned-by-identity node as the tail;
-                # the head was written too and will only be skipped as present next time.
+                # NOTE: a split meanwhile leaves the node as the tail; the head was
+                # written too (no second write was queued for it meanwhile: `_on_split`),
+                # and is recorded in L3 when a later write finds it present.
                 if self.tree.is_live(node):
                     if FULL in pages:  # (a record of FULL, written again)
                         self.tree.storage_renewed(node)

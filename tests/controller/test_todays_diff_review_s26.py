@@ -227,3 +227,71 @@ def test_an_l2_allocation_inside_an_l1_eviction_leaves_the_l1_evictions_state(ma
             t._copies_first, t._kept_for_copies = False, False
             host.free(got)
             host.free(held)
+
+
+def test_a_window_split_of_a_node_whose_l3_write_is_queued_writes_each_page_once(make) -> None:
+    """The same for L3: turn 1's write-through to L3 is still queued (the store is slow)
+    when turn 2 splits its node at the window's start; the head is not written again."""
+    import threading
+    import time
+
+    ctl = make(swa_only=True, l1_tokens=128, write__l1_to_l2="write_through",
+               write__l2_to_l3="write_through")
+    eng = Engine(ctl)
+    backend = ctl.l3.backend
+    original = backend.put_from
+    gate = threading.Event()
+    written: list[str] = []
+
+    def slow(keys, buffers):  # type: ignore[no-untyped-def]
+        assert gate.wait(10)
+        written.extend(keys)
+        return original(keys, buffers)
+
+    backend.put_from = slow  # type: ignore[method-assign]
+    try:
+        turn1 = seq(4)
+        _session_request(ctl, eng, turn1)
+        with ctl._mu:  # its L2 copy lands now; its L3 write is then queued (and waits)
+            ctl.transfers._schedule_l2_flush(urgent=True)
+        deadline = time.monotonic() + 10
+        while not ctl.transfers._queued_l3:
+            assert time.monotonic() < deadline, "turn 1's L3 write was never queued"
+            time.sleep(0.005)
+        _session_request(ctl, eng, turn1 + seq(1, 500))
+    finally:
+        gate.set()
+    assert ctl.transfers.drain(10)
+    full = [k for k in written if "/full/" in k]
+    assert len(full) == len(set(full)) == 5
+
+
+def test_a_multi_kind_allocation_shares_one_bound_on_waiting(make, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`allocate_l1_all` waits at most `BACKPRESSURE_S` in all: each kind's allocation
+    gets what is left of it, not a fresh bound of its own (a hybrid request behind a
+    stuck copy would wait once per kind)."""
+    import time
+
+    from hicache.controller import transfers as transfers_mod
+
+    monkeypatch.setattr(transfers_mod, "BACKPRESSURE_S", 1.0)
+    ctl = make(swa_only=True, l1_tokens=64, storage__backend="none")
+    eng = Engine(ctl)
+    for i in range(4):
+        eng.request(seq(4, 1000 * i))  # L1 full
+    t = ctl.transfers
+    bounds: list[float] = []
+    original = t._allocate
+
+    def slow(tier, kind, n, **kw):  # type: ignore[no-untyped-def]
+        if tier is Tier.DEVICE:  # (not the copy worker's L2 allocations)
+            bounds.append(kw["wait_s"])
+            time.sleep(0.2)  # (as a wait for copies would take)
+        return original(tier, kind, n, **kw)
+
+    monkeypatch.setattr(t, "_allocate", slow)
+    with ctl._mu:
+        got = t.allocate_l1_all({FULL: 2, SWA: 2})
+        for kind, ids in got.items():
+            t.free_l1(kind, ids)
+    assert len(bounds) == 2 and bounds[0] <= 1.0 and bounds[1] <= bounds[0] - 0.2
