@@ -528,10 +528,13 @@ class HybridCacheController(CacheService):
 
     def _check_growth(self, allocation_id: int, record: AllocationRecord, num_tokens: int) -> None:
         """An allocation holds at most the pages of one request's tokens at once, however
-        many calls grew it (each call alone is checked by `_check_count`)."""
+        many calls grew it (each call alone is checked by `_check_count`): its pages, those
+        a Load in flight borrowed, and those it keeps retired."""
         limit = self.cfg.server.max_tokens_per_request
         most = -(-limit // self._ps)
-        held = len(record.pages[self._paged[0]])
+        kind = self._paged[0]
+        held = (len(record.pages[kind]) + record.lent
+                + sum(len(ids) for ids in record.retired.get(kind, ())))
         more = -(-num_tokens // self._ps)
         if held + more > most:
             raise InvalidArgument(
