@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import pytest
 
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchOutcome, MatchRequest, PrefetchState
 from hicache.controller.controller import HybridCacheController, build_controller
+from hicache.errors import NotFound
 from hicache.keys import chain_hashes
 from hicache.types import ComponentKind, Tier
 
@@ -361,6 +363,42 @@ class CopyGate:
     def restore(self) -> None:
         self.gate.set()
         self.ctl.transfers.copier.host_to_device = self.original
+
+
+def tree_l1_pages(ctl, kind: ComponentKind = ComponentKind.FULL) -> set[int]:  # type: ignore[no-untyped-def]
+    """The L1 page ids of `kind` the tree owns."""
+    with ctl._mu:
+        out: set[int] = set()
+        for node in ctl.tree.iter_nodes():
+            ids = ctl.tree.pages_of(node, kind, Tier.DEVICE)
+            if ids is not None:
+                out |= {int(i) for i in ids if i >= 0}
+        return out
+
+
+def release_during_load(ctl, engine_id: str, lock_id: int) -> None:  # type: ignore[no-untyped-def]
+    """A Load of `lock_id` held at its copy while its lock is released: the load ends
+    NotFound ("released while its load was copying"); the copier restored."""
+    gate = CopyGate(ctl)
+    try:
+        loader = gate.held_load(engine_id, lock_id)
+        ctl.release(engine_id, lock_id, None)
+        gate.open()
+        with pytest.raises(NotFound, match="released while its load was copying"):
+            loader.result()
+    finally:
+        gate.restore()
+
+
+def session_request(ctl, eng: Engine, tokens: bytes, session_id: str = "s"):  # type: ignore[no-untyped-def]
+    """One request of a session (match + allocation, write, insert), nothing reused
+    assumed: the engine writes every page of `tokens`."""
+    m = ctl.match(eng.id, MatchRequest(eng.ns, tokens, session_id=session_id, lock=True,
+                                       allocate_tokens=len(tokens) // 4))
+    eng.write(m.pages, tokens, 0)
+    ctl.insert(eng.id, InsertRequest(eng.ns, tokens, lock_id=m.lock_id,
+                                     allocation_id=m.allocation_id, session_id=session_id))
+    return m
 
 
 @contextlib.contextmanager

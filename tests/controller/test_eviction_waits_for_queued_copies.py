@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import threading
 
-from engine_sim import Engine, seq
+from engine_sim import Engine, seq, session_request
 
 from hicache.controller import transfers as transfers_mod
-from hicache.controller.base import InsertRequest, MatchRequest
+from hicache.controller.base import MatchRequest
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
@@ -30,18 +30,10 @@ def _in_l1(ctl, tokens: bytes) -> int:  # type: ignore[no-untyped-def]
     return _in_tier(ctl, tokens, Tier.DEVICE)
 
 
-def _session_request(ctl, eng: Engine, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
-    m = ctl.match("e1", MatchRequest("", tokens, session_id="s", lock=True,
-                                     allocate_tokens=len(tokens) // 4))
-    eng.write(m.pages, tokens, 0)
-    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id,
-                                   session_id="s"))
-
-
 def _fill(ctl, eng: Engine, referenced: bytes, other: bytes) -> None:  # type: ignore[no-untyped-def]
     """L1 full: `referenced` (a session's, copied to L2), 12 pages of fillers (copied),
     then `other` (unreferenced, newest, its copy queued: pinned)."""
-    _session_request(ctl, eng, referenced)
+    session_request(ctl, eng, referenced)
     eng.request(seq(12, 3000))
     assert ctl.transfers.drain(10)
     for _ in range(3):  # the fillers hotter than `referenced`: only the session keeps it

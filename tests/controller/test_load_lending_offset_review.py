@@ -29,7 +29,17 @@ import time
 
 import numpy as np
 import pytest
-from engine_sim import CopyGate, Engine, Loader, failing_load, l1_full, seq, tree_path
+from engine_sim import (
+    CopyGate,
+    Engine,
+    Loader,
+    failing_load,
+    l1_full,
+    release_during_load,
+    seq,
+    tree_l1_pages,
+    tree_path,
+)
 
 import hicache.controller.transfers as transfers_mod
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
@@ -96,16 +106,6 @@ def swa_before_run(ctl, eng: Engine, base: int) -> bytes:  # type: ignore[no-unt
 
 def request(ctl, tokens: bytes, engine_id: str = "e1"):  # type: ignore[no-untyped-def]
     return ctl.match(engine_id, MatchRequest("", tokens, lock=True, allocate_tokens=len(tokens) // 4))
-
-
-def tree_l1(ctl, kind: ComponentKind = FULL) -> set[int]:  # type: ignore[no-untyped-def]
-    with ctl._mu:
-        out: set[int] = set()
-        for node in ctl.tree.iter_nodes():
-            ids = ctl.tree.pages_of(node, kind, Tier.DEVICE)
-            if ids is not None:
-                out |= {int(i) for i in ids if i >= 0}
-        return out
 
 
 def free_counts(ctl) -> dict[ComponentKind, int]:  # type: ignore[no-untyped-def]
@@ -177,7 +177,7 @@ def test_an_offset_run_lands_in_the_allocation_past_the_pages_l1_holds(make, pol
     ctl = hybrid(make, policy)
     eng = Engine(ctl)
     p = head_in_l1(ctl, eng, 1000)
-    head = tree_l1(ctl)
+    head = tree_l1_pages(ctl)
     prompt = p + seq(4, base=9000)
     m = request(ctl, prompt)
     assert (m.device_tokens, m.host_tokens, len(m.pages["full"])) == (0, 8 * PS, 12)
@@ -194,7 +194,7 @@ def test_an_offset_run_lands_in_the_allocation_past_the_pages_l1_holds(make, pol
     assert rec.start_page == 8
     np.testing.assert_array_equal(rec.pages[FULL], m.pages["full"][8:])
     np.testing.assert_array_equal(np.concatenate(rec.retired[FULL]), m.pages["full"][:2])
-    assert not set(np.concatenate(rec.retired[FULL]).tolist()) & tree_l1(ctl)
+    assert not set(np.concatenate(rec.retired[FULL]).tolist()) & tree_l1_pages(ctl)
     assert l1_full(ctl) == (8, 32 - 8 - 4 - 2)
     ctl.check_integrity()
     finish(ctl, eng, m, prompt, final.device_tokens)
@@ -291,7 +291,7 @@ def test_a_failed_offset_load_gives_every_page_back_in_order(make) -> None:
     ctl = hybrid(make)
     eng = Engine(ctl)
     p = head_in_l1(ctl, eng, 5000)
-    head = tree_l1(ctl)
+    head = tree_l1_pages(ctl)
     prompt = p + seq(4, base=9500)
     m = request(ctl, prompt)
     before = free_counts(ctl)
@@ -303,7 +303,7 @@ def test_a_failed_offset_load_gives_every_page_back_in_order(make) -> None:
     for kind in rec.pages:
         np.testing.assert_array_equal(rec.pages[kind], m.pages[ctl.cfg.model.family(kind)[0].name])
     finish(ctl, eng, m, prompt, 0)
-    assert head <= tree_l1(ctl)
+    assert head <= tree_l1_pages(ctl)
     eng.assert_cached(prompt)
     assert l1_full(ctl) == (12, 20)
 
@@ -336,8 +336,8 @@ def test_an_abandoned_offset_load_leaves_the_engine_its_whole_allocation(make) -
     rec = allocation(ctl, "e1", m.allocation_id)
     assert rec.start_page == 0
     np.testing.assert_array_equal(rec.pages[FULL], m.pages["full"])
-    assert not set(m.pages["full"].tolist()) & tree_l1(ctl)
-    assert not set(m.pages["swa"].tolist()) & tree_l1(ctl, SWA)
+    assert not set(m.pages["full"].tolist()) & tree_l1_pages(ctl)
+    assert not set(m.pages["swa"].tolist()) & tree_l1_pages(ctl, SWA)
     finish(ctl, eng, m, prompt, 0)
     eng.assert_cached(prompt)
     assert l1_full(ctl) == (12, 20)
@@ -349,15 +349,7 @@ def test_a_lock_released_during_an_offset_load_gives_the_pages_back(make) -> Non
     p = head_in_l1(ctl, eng, 6500)
     prompt = p + seq(4, base=9650)
     m = request(ctl, prompt)
-    gate = CopyGate(ctl)
-    try:
-        loader = gate.held_load("e1", m.lock_id)
-        ctl.release("e1", m.lock_id, None)
-        gate.open()
-        with pytest.raises(NotFound, match="released while its load was copying"):
-            loader.result()
-    finally:
-        gate.restore()
+    release_during_load(ctl, "e1", m.lock_id)
     ctl.check_integrity()
     rec = allocation(ctl, "e1", m.allocation_id)
     assert rec.start_page == 0

@@ -23,7 +23,9 @@ from engine_sim import (
     in_l2_only,
     l1_full,
     l2_prefix_request,
+    release_during_load,
     seq,
+    tree_l1_pages,
 )
 
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
@@ -41,16 +43,6 @@ def make_ctl(tmp_path):
 
 
 
-
-
-def tree_l1_pages(ctl, kind: ComponentKind = FULL) -> set[int]:
-    with ctl._mu:
-        out: set[int] = set()
-        for node in ctl.tree.iter_nodes():
-            ids = ctl.tree.pages_of(node, kind, Tier.DEVICE)
-            if ids is not None:
-                out |= {int(i) for i in ids if i >= 0}
-        return out
 
 
 class LayerGate:
@@ -142,15 +134,7 @@ def test_a_load_failing_for_a_released_lock_gives_the_allocation_its_pages_back(
     ctl = make_ctl(l1_tokens=64, write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     _a, longer, m = l2_prefix_request(ctl, eng, base=1300, tail_base=9300)
-    gate = CopyGate(ctl)
-    try:
-        loader = gate.held_load("e1", m.lock_id)
-        ctl.release("e1", m.lock_id, None)
-        gate.open()
-        with pytest.raises(NotFound, match="released while its load was copying"):
-            loader.result()
-    finally:
-        gate.restore()
+    release_during_load(ctl, "e1", m.lock_id)
     # The engine computes the request itself into its allocation (as README says a
     # failed load leaves it to); meanwhile L1 pressure evicts and another request
     # allocates: only the 4 pages no one holds.

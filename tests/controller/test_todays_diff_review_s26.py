@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_sim import Engine, seq
+from engine_sim import Engine, seq, session_request
 from tree_kit import freed, ids, toks, tree_of
 
 from hicache.config import FileStorageConfig
-from hicache.controller.base import InsertRequest, MatchRequest
+from hicache.controller.base import MatchRequest
 from hicache.tiers.storage import HEADER_BYTES, PutStatus
 from hicache.tiers.storage.file import FileBackend
 from hicache.tree import HiRadixTree
@@ -137,14 +137,6 @@ def test_a_write_that_finds_its_page_present_counts_its_eviction_as_a_page(
 # ----------------------------------------------------------------------------- waits
 
 
-def _session_request(ctl, eng: Engine, tokens: bytes) -> None:  # type: ignore[no-untyped-def]
-    m = ctl.match("e1", MatchRequest("", tokens, session_id="s", lock=True,
-                                     allocate_tokens=len(tokens) // 4))
-    eng.write(m.pages, tokens, 0)
-    ctl.insert("e1", InsertRequest("", tokens, lock_id=m.lock_id, allocation_id=m.allocation_id,
-                                   session_id="s"))
-
-
 def _in_l1(ctl, tokens: bytes) -> int:  # type: ignore[no-untyped-def]
     with ctl._mu:
         return sum(n.npages for n in _path(ctl.tree, tokens) if n.mask[0] & 1)
@@ -157,7 +149,7 @@ def test_no_wait_for_the_copy_of_a_node_a_request_keeps_locked(make) -> None:
     ctl = make(**WT)
     eng = Engine(ctl)
     referenced, other = seq(2), seq(2, 1000)
-    _session_request(ctl, eng, referenced)
+    session_request(ctl, eng, referenced)
     eng.request(seq(12, 3000))
     assert ctl.transfers.drain(10)
     for _ in range(3):
@@ -197,8 +189,8 @@ def test_a_window_split_of_a_node_whose_copy_is_queued_copies_each_page_once(mak
     with ctl._mu:
         assert ctl.transfers.hold_flushes()
     turn1 = seq(4)
-    _session_request(ctl, eng, turn1)
-    _session_request(ctl, eng, turn1 + seq(1, 500))
+    session_request(ctl, eng, turn1)
+    session_request(ctl, eng, turn1 + seq(1, 500))
     with ctl._mu:
         assert [n.depth for n in _path(ctl.tree, turn1 + seq(1, 500))] == [2, 3, 4, 5]
         ctl.transfers.release_flushes()
@@ -251,14 +243,14 @@ def test_a_window_split_of_a_node_whose_l3_write_is_queued_writes_each_page_once
     backend.put_from = slow  # type: ignore[method-assign]
     try:
         turn1 = seq(4)
-        _session_request(ctl, eng, turn1)
+        session_request(ctl, eng, turn1)
         with ctl._mu:  # its L2 copy lands now; its L3 write is then queued (and waits)
             ctl.transfers._schedule_l2_flush(urgent=True)
         deadline = time.monotonic() + 10
         while not ctl.transfers._queued_l3:
             assert time.monotonic() < deadline, "turn 1's L3 write was never queued"
             time.sleep(0.005)
-        _session_request(ctl, eng, turn1 + seq(1, 500))
+        session_request(ctl, eng, turn1 + seq(1, 500))
     finally:
         gate.set()
     assert ctl.transfers.drain(10)
