@@ -99,6 +99,20 @@ class LentPages:
 
 
 @dataclass
+class L3Write:
+    """An L3 write queued or running: the kinds it writes and the nodes it covers (its
+    node, then the heads tree splits made of it meanwhile: their share of its pages)."""
+
+    kinds: frozenset[ComponentKind]
+    nodes: list[object]
+
+    def covers(self, node: object) -> frozenset[ComponentKind]:
+        """The kinds it writes of `node`'s slots: a head's per-page ones only (a MAMBA
+        checkpoint is its node's end, not a head's)."""
+        return self.kinds if node is self.nodes[0] else self.kinds - {MAMBA}
+
+
+@dataclass
 class HostCopy:
     """One node's queued L1->L2 write-through: the L1 pages of each family slot that L2
     lacks (FULL first), the pin that keeps them in place until the copy landed, and, once
@@ -167,9 +181,8 @@ class Transfers:
         self._copies_first = False
         self._kept_for_copies = False
         self._flushing = threading.Lock()  # (`flush`: one at a time)
-        # Nodes with an L3 write queued or running, by id: the nodes that write covers
-        # (its node, then the heads splits made of it meanwhile), one list per write.
-        self._queued_l3: dict[int, list[object]] = {}
+        # Nodes with an L3 write queued or running, by id: that write (see `L3Write`).
+        self._queued_l3: dict[int, L3Write] = {}
         # write_through: nodes whose L1->L2 copy found no room (L2's pages held by L3
         # writes in flight), copied as they leave L1 (`_l1_victim_uncopied`); while there
         # are none, L1 evictions take no callback (it cost ~5 us an evicted node).
@@ -531,10 +544,10 @@ class Transfers:
         if copy is not None:
             copy.heads.append(head)
             self._queued_l2[id(head)] = copy
-        covered = self._queued_l3.get(id(tail))
-        if covered is not None:  # (the same for a queued L3 write)
-            covered.append(head)
-            self._queued_l3[id(head)] = covered
+        write = self._queued_l3.get(id(tail))
+        if write is not None:  # (the same for a queued L3 write)
+            write.nodes.append(head)
+            self._queued_l3[id(head)] = write
 
     def _l1_victim_after_copies(self) -> Callable[[Victim], bool | int]:
         """write_through, an allocation that may wait for copies evicting: a FULL victim
@@ -579,8 +592,11 @@ class Transfers:
         # even where the node's FULL pages are in L3 (it used to be dropped then).
         stale_before = self._stale_before()
         stale = stale_before is not None and self.tree.storage_stale(victim.node, stale_before)
+        queued = self._queued_l3.get(id(victim.node))
+        covered = queued.covers(victim.node) if queued is not None else frozenset()
         pages = {kind: ids for kind, ids in victim.pages.items()
-                 if stale or not self.tree.is_resident(victim.node, kind, Tier.STORAGE)}
+                 if (stale or not self.tree.is_resident(victim.node, kind, Tier.STORAGE))
+                 and kind not in covered}  # (a queued write of the node writes those)
         if not pages:
             return
         namespace = self.tree.namespace_of(victim.node)
@@ -1013,41 +1029,19 @@ class Transfers:
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
         writing = self._hold_for_l3(namespace, hashes, pages)
-        covered: list[object] = [node]
-        self._queued_l3[id(node)] = covered
+        write = L3Write(frozenset(pages), [node])
+        self._queued_l3[id(node)] = write
 
         def finish(stored: bool, failed: bool = True) -> None:
             with self.ctl._mu:
                 self._release_for_l3(pages, writing)
-                for part in covered:
-                    if self._queued_l3.get(id(part)) is covered:
+                for part in write.nodes:
+                    if self._queued_l3.get(id(part)) is write:
                         del self._queued_l3[id(part)]
                 if not stored:
                     self.stats["backups_l3_failed"] += int(failed)
                     return
-                # NOTE: a split meanwhile leaves the node as the tail; the head was
-                # written too (no second write was queued for it meanwhile: `_on_split`),
-                # and is recorded in L3 when a later write finds it present.
-                if self.tree.is_live(node):
-                    if FULL in pages:  # (a record of FULL, written again)
-                        self.tree.storage_renewed(node)
-                    for kind, ids in pages.items():
-                        # What L2 holds now must be what was written (or, after a split, its
-                        # tail): an SWA tail replaced by a longer one is not all in L3.
-                        if self.tree.is_resident(node, kind, Tier.STORAGE):
-                            continue
-                        now = self.tree.pages_of(node, kind, Tier.HOST)
-                        if now is None:
-                            # The L2 slot left while the write ran (its pages parked under
-                            # it): keys are the content's, so a FULL slot or a checkpoint
-                            # still in L1 is what was written. (An SWA window may have
-                            # grown meanwhile: not known to be all in L3.)
-                            if (kind is not ComponentKind.SWA
-                                    and self.tree.is_resident(node, kind, Tier.DEVICE)):
-                                self.tree.set_resident(node, kind, Tier.STORAGE)
-                        elif (len(now) <= len(ids)
-                                and np.array_equal(now, ids[len(ids) - len(now) :])):
-                            self.tree.set_resident(node, kind, Tier.STORAGE)
+                self._landed_l3(write, pages)
 
         landed: dict[ComponentKind, set[int]] = {}  # (across the job's attempts)
 
@@ -1058,6 +1052,49 @@ class Transfers:
         if not self.backup_worker.submit(Job("write-through", run, lambda _e: finish(False))):
             self.stats["backups_dropped"] += full_pages
             finish(False, failed=False)
+
+    def _landed_l3(self, write: L3Write, pages: dict[ComponentKind, np.ndarray]) -> None:
+        """Caller holds the mutex. An L3 write stored `pages` (of its node, and of the
+        heads split off it meanwhile): record what is in L3 now, then offer the slots
+        committed since it was queued (a checkpoint), which it did not write."""
+        node = write.nodes[0]
+        if self.tree.is_live(node):
+            if FULL in pages:  # (a record of FULL, written again)
+                self.tree.storage_renewed(node)
+            for kind, ids in pages.items():
+                # What L2 holds now must be what was written (or, after a split, its
+                # tail): an SWA tail replaced by a longer one is not all in L3.
+                if self.tree.is_resident(node, kind, Tier.STORAGE):
+                    continue
+                now = self.tree.pages_of(node, kind, Tier.HOST)
+                if now is None:
+                    # The L2 slot left while the write ran (its pages parked under it):
+                    # keys are the content's, so a FULL slot or a checkpoint still in L1
+                    # is what was written. (An SWA window may have grown meanwhile: not
+                    # known to be all in L3.)
+                    if kind is not ComponentKind.SWA and self.tree.is_resident(node, kind, Tier.DEVICE):
+                        self.tree.set_resident(node, kind, Tier.STORAGE)
+                elif len(now) <= len(ids) and np.array_equal(now, ids[len(ids) - len(now) :]):
+                    self.tree.set_resident(node, kind, Tier.STORAGE)
+        if FULL in pages and len(write.nodes) > 1:
+            # The heads' FULL pages were written too: their share of the node's, by the
+            # keys' content (they lie before it on the path).
+            for part, lo, hi in self._span(node, len(pages[FULL]))[:-1]:
+                if (part in write.nodes and self.tree.is_live(part)
+                        and not self.tree.is_resident(part, FULL, Tier.STORAGE)):
+                    now = self.tree.pages_of(part, FULL, Tier.HOST)
+                    if now is not None and np.array_equal(now, pages[FULL][lo:hi]):
+                        self.tree.set_resident(part, FULL, Tier.STORAGE)
+                        self.tree.storage_renewed(part)
+        if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK:
+            return  # (written when it leaves L2)
+        stale_before = self._stale_before()
+        for part in write.nodes:
+            if self.tree.is_live(part):
+                missed = [kind for kind in self.tree.slots_for_storage(part, stale_before)
+                          if kind not in write.covers(part)]
+                if missed:
+                    self.backup_to_storage(part, missed)
 
     def _hold_for_l3(self, namespace: str, hashes: bytes,
                      pages: dict[ComponentKind, np.ndarray]) -> list[Writing]:
