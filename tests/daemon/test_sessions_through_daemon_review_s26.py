@@ -223,7 +223,8 @@ def test_lfu_engines_with_sessions_never_stall_on_queued_copies(make_daemon: Mak
     assert errors == []
     assert len(latencies) == 160
     assert metric(port, "hicache_allocation_waits_total") > waits  # the path ran
-    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    # No request waits anywhere near the 5 s bound (generous: CI runs 3 workers on 2 cores)
+    assert max(latencies) < 4.0, sorted(latencies)[-5:]
 
 
 # ----------------------------------------------------------------------------- storage evictions
