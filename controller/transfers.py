@@ -489,8 +489,9 @@ class Transfers:
             policy = self.cfg.write.l1_to_l2
             if policy is WritePolicy.WRITE_BACK:
                 return self._l1_victim
-            if self._copies_first and self._queued_l2:
-                return self._l1_victim_after_copies()
+            keeping = self._l1_victim_after_copies() if self._copies_first and self._queued_l2 else None
+            if keeping is not None:
+                return keeping
             return self._l1_victim_uncopied if self._uncopied else None
         # (an L3 that has not connected yet, `l3_down`, loses what leaves: counted there)
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK and (
@@ -549,17 +550,20 @@ class Transfers:
             write.nodes.append(head)
             self._queued_l3[id(head)] = write
 
-    def _l1_victim_after_copies(self) -> Callable[[Victim], bool | int]:
+    def _l1_victim_after_copies(self) -> Callable[[Victim], bool | int] | None:
         """write_through, an allocation that may wait for copies evicting: a FULL victim
         that ranks after a node whose L1->L2 copy is queued (a session-referenced path, a
         hotter one), held by nothing but its copy's pin, is kept, since that node goes
-        first once its copy landed; else as `_l1_victim_uncopied`."""
+        first once its copy landed; else as `_l1_victim_uncopied`. None when no queued
+        node could go (then the eviction builds no victim descriptions for it)."""
         ranks = [self.tree.eviction_rank(Tier.DEVICE, FULL, copy.node, locks=1)
                  for key, copy in self._queued_l2.items() if key == id(copy.node)]
         first = min((r for r in ranks if r is not None), default=None)
+        if first is None:
+            return None
 
         def before_drop(victim: Victim) -> bool | int:
-            if first is not None and FULL in victim.pages:
+            if FULL in victim.pages:
                 rank = self.tree.eviction_rank(Tier.DEVICE, FULL, victim.node)
                 if rank is not None and rank > first:
                     self._kept_for_copies = True
