@@ -380,6 +380,8 @@ def test_a_restart_removes_its_hosts_dead_writers_temp_files_whatever_their_age(
     gone (or is a previous incarnation with this pid) go at start; a live writer's, and
     another host's young ones, stay; anyone's older than STALE_TEMP_S go."""
     first = _backend(tmp_path)
+    # (its own start's walk sweeps temp files too: let it end before planting them)
+    assert first.wait_indexed(10)
     (k,) = keys(1)
     host = first._host
     base = first.path_of(k)
