@@ -1060,8 +1060,10 @@ class Transfers:
     def _landed_l3(self, write: L3Write, pages: dict[ComponentKind, np.ndarray]) -> None:
         """Caller holds the mutex. An L3 write stored `pages` (of its node, and of the
         heads split off it meanwhile): record what is in L3 now, then offer the slots
-        committed since it was queued (a checkpoint), which it did not write."""
+        committed since it was queued (a checkpoint), which it did not write, and those
+        L2 replaced while it ran."""
         node = write.nodes[0]
+        changed: set[ComponentKind] = set()  # (slots L2 replaced while it ran)
         if self.tree.is_live(node):
             if FULL in pages:  # (a record of FULL, written again)
                 self.tree.storage_renewed(node)
@@ -1080,6 +1082,8 @@ class Transfers:
                         self.tree.set_resident(node, kind, Tier.STORAGE)
                 elif len(now) <= len(ids) and np.array_equal(now, ids[len(ids) - len(now) :]):
                     self.tree.set_resident(node, kind, Tier.STORAGE)
+                else:
+                    changed.add(kind)
         if FULL in pages and len(write.nodes) > 1:
             # The heads' FULL pages were written too: their share of the node's, by the
             # keys' content (they lie before it on the path).
@@ -1095,8 +1099,10 @@ class Transfers:
         stale_before = self._stale_before()
         for part in write.nodes:
             if self.tree.is_live(part):
+                # (A slot replaced while it ran, an SWA tail grown whole, is offered again:
+                # its landing in L2 found this write queued and offered nothing.)
                 missed = [kind for kind in self.tree.slots_for_storage(part, stale_before)
-                          if kind not in write.covers(part)]
+                          if kind not in write.covers(part) or (part is node and kind in changed)]
                 if missed:
                     self.backup_to_storage(part, missed)
 

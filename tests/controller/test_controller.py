@@ -266,19 +266,28 @@ def test_an_swa_tail_survives_a_split_while_its_copy_waits_and_round_trips_bit_e
     assert eng.checked > checked
 
 
-def test_an_l3_write_of_an_swa_tail_grown_meanwhile_records_no_whole_l3_copy(make) -> None:
+@pytest.mark.parametrize("copy_lands_first", [False, True])
+def test_an_l3_write_of_an_swa_tail_grown_meanwhile_records_no_whole_l3_copy(make, copy_lands_first: bool) -> None:
     """The L3 write of a node's 2-page SWA tail is under way when a longer tail replaces
     it (and its L2 copy): the write covered 2 pages, so the tree must not record the
-    (now whole) slot as in L3."""
+    (now whole) slot as in L3. The grown slot is written next, whichever lands first: its
+    L2 copy (which then finds no L3 write queued) or the 2-page write (which offers the
+    slot L2 replaced meanwhile; a CI run once saw that order, which wrote nothing more)."""
     ctl = make(hybrid=True, write__l1_to_l2="write_through", write__l2_to_l3="write_through")
     eng = Engine(ctl)
     tokens = seq(4)
     backend = ctl.l3.backend
     real, gate, writing = backend._write_from, threading.Event(), threading.Event()
+    second, writing_second = threading.Event(), threading.Event()
+    objects = ctl.l3.keys("", eng.hashes(tokens), ctl.cfg.model.family(ComponentKind.SWA))
 
     def slow(keys, buffers):
-        writing.set()
-        assert gate.wait(10)
+        if objects[0] in keys:  # (the grown slot's write: the tail's has pages 2-3 only)
+            writing_second.set()
+            assert second.wait(10)
+        else:
+            writing.set()
+            assert gate.wait(10)
         return real(keys, buffers)
 
     backend._write_from = slow  # type: ignore[method-assign]
@@ -293,14 +302,26 @@ def test_an_l3_write_of_an_swa_tail_grown_meanwhile_records_no_whole_l3_copy(mak
         ctl.transfers.refill_host(node)  # the grown slot goes to L2 again (as Insert does)
         for kind, back in r.released.items():
             ctl.transfers.free_l1(kind, back)
+        if copy_lands_first:
+            ctl.transfers._schedule_l2_flush(urgent=True)
+    deadline = time.monotonic() + 10
+    while copy_lands_first and ctl.tree.pages_of(node, ComponentKind.SWA, Tier.HOST) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     gate.set()
+    assert writing_second.wait(10)  # (the first write landed and was recorded)
+    swa_family = len(ctl.cfg.model.family(ComponentKind.SWA))
+    with ctl._mu:
+        assert ctl.tree.is_resident(node, FULL, Tier.STORAGE)
+        # L3 holds the SWA objects of the 2 pages written; the whole slot is not recorded.
+        assert backend.exists_prefix(objects[::-1]) == 2 * swa_family
+        assert not ctl.tree.is_resident(node, ComponentKind.SWA, Tier.STORAGE)
+        ctl.check_integrity()
+    second.set()
     assert ctl.transfers.drain(10)
-    assert ctl.tree.is_resident(node, FULL, Tier.STORAGE)
     assert len(ctl.tree.pages_of(node, ComponentKind.SWA, Tier.HOST)) == 4
-    # L3 holds the SWA objects of the 2 pages written; the whole slot is not recorded.
-    objects = ctl.l3.keys("", eng.hashes(tokens), ctl.cfg.model.family(ComponentKind.SWA))
-    assert backend.exists_prefix(objects[::-1]) == 2 * len(ctl.cfg.model.family(ComponentKind.SWA))
-    assert not ctl.tree.is_resident(node, ComponentKind.SWA, Tier.STORAGE)
+    assert backend.exists_prefix(objects[::-1]) == 4 * swa_family
+    assert ctl.tree.is_resident(node, ComponentKind.SWA, Tier.STORAGE)
     ctl.check_integrity()
 
 
