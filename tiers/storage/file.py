@@ -133,10 +133,20 @@ class FileBackend(StorageBackend):
         # Evicted from the index, file not unlinked yet: a read of one meanwhile must not
         # record it again (its entry would outlive the file, counting bytes on no disk).
         self._evicting: set[str] = set()
+        # Writes under way (digest -> writers), stored but maybe not yet recorded: the
+        # start's walk may find their file and must not count it beside their reservation.
+        self._writing: dict[str, int] = {}
+        # While the start's walk runs: objects removed, forgotten or evicted meanwhile. The
+        # walk may have found them before they went; its merge must not bring them back.
+        self._gone_in_walk: set[str] | None = None
         # Indexed objects whose key is a page's (`count_pages_of`), among those written or
         # read since the start (the walk learns no keys): their evictions count as pages.
         self._pages: set[str] = set()
         self._lock = threading.Lock()
+        # Notified when evictions' unlinks are done: a put of an object whose eviction is
+        # under way waits for it (the unlink, outside the lock, would remove what the put
+        # found present, or wrote).
+        self._evicted = threading.Condition(self._lock)
         self._host = _host_tag()
         self._indexer: threading.Thread | None = None
         self._index_error: BaseException | None = None
@@ -195,8 +205,15 @@ class FileBackend(StorageBackend):
                  self.capacity_bytes, self.fsync, self.threads)
 
     def close(self, wait_s: float = 0.0) -> bool:
-        self._closing = True  # (a walk under way stops at its next folder)
-        return self._caller.close(wait_s)
+        with self._lock:
+            self._closing = True  # (a walk under way stops at its next folder, or merges nothing)
+        deadline = time.monotonic() + wait_s
+        calls_done = self._caller.close(wait_s)
+        indexer = self._indexer
+        if indexer is None or indexer is threading.current_thread():
+            return calls_done
+        indexer.join(max(0.0, deadline - time.monotonic()))
+        return calls_done and not indexer.is_alive()
 
     def wait_indexed(self, timeout_s: float) -> bool:
         """Whether the start's walk of the store (index, stale temp files) is done,
@@ -220,8 +237,16 @@ class FileBackend(StorageBackend):
         log.info("L3 file backend at %s: %d objects, %d bytes", self.root, objects, used)
 
     def _rebuild_index(self) -> None:
+        with self._lock:
+            self._gone_in_walk = set()
+        try:
+            self._walk_and_merge()
+        finally:
+            with self._lock:
+                self._gone_in_walk = None
+
+    def _walk_and_merge(self) -> None:
         found: list[tuple[float, str, int]] = []
-        folders: set[str] = set()
         now = time.time()
         for folder, _, names in os.walk(self.root):
             if self._closing:
@@ -241,23 +266,27 @@ class FileBackend(StorageBackend):
                         # would be counted against the capacity and never found to evict.
                         if _DIGEST.fullmatch(h) and path == self._path(h) and stat.S_ISREG(st.st_mode):
                             found.append((st.st_mtime, h, st.st_size))
-                            folders.add(h[:2])
                 except OSError as e:
                     if e.errno not in _SKIPPED_AT_START_ERRNOS:
                         raise _unavailable(path, e) from None
                     continue  # gone meanwhile, a link loop, ...: not an object of ours
         found.sort()
         with self._lock:
+            if self._closing:
+                return  # (closed while it walked: a backend built anew counts the store)
             # Objects used since the start (the walk ran in the background) stay the most
             # recent, in their order; those only the walk found go before them, oldest
-            # first. NOTE: one removed while the walk ran may come back in the index: its
-            # eviction later finds no file, which costs nothing.
+            # first. The index knows better than the walk about objects it recorded, any
+            # being written (their reservation counts them), and any removed, forgotten
+            # or evicted since the walk began (it may have found them before they went).
+            gone = self._gone_in_walk or set()
             index = OrderedDict((h, size) for _, h, size in found
-                                if h not in self._lru and h not in self._evicting)
+                                if h not in self._lru and h not in self._evicting
+                                and h not in self._writing and h not in gone)
+            self._folders |= {h[:2] for h in index}
             index.update(self._lru)
             self._lru = index
             self._used = sum(index.values())
-            self._folders |= folders
             victims = self._evict_locked(0)
         self._unlink(victims)
 
@@ -311,28 +340,57 @@ class FileBackend(StorageBackend):
             self._reserved -= reserved
             if wrote:
                 self._evicting.discard(h)  # (a write finds no file: that unlink is done)
+                self._written(h)
             elif h in self._evicting:
                 return []
-            old = self._lru.pop(h, None)
-            self._used += size - (old or 0)
-            self._lru[h] = size
-            if (self._page_key_tail is not None and self.capacity_bytes is not None
-                    and key.endswith(self._page_key_tail)):
-                self._pages.add(h)
-            return self._evict_locked(0)
+            return self._record_locked(h, size, key)
 
-    def _reserve(self, size: int) -> list[tuple[str, int]]:
-        """Make room for a write of `size` bytes and hold it until the write is recorded
-        (`_touch(..., reserved=size)`) or given up (`_unreserve`): writers in parallel
-        each count the others' objects still being written. Returns digests to evict."""
+    def _record_locked(self, h: str, size: int, key: str) -> list[tuple[str, int]]:
+        """Caller holds the lock: `_touch`'s record."""
+        old = self._lru.pop(h, None)
+        self._used += size - (old or 0)
+        self._lru[h] = size
+        if (self._page_key_tail is not None and self.capacity_bytes is not None
+                and key.endswith(self._page_key_tail)):
+            self._pages.add(h)
+        return self._evict_locked(0)
+
+    def _reserve(self, h: str, size: int) -> list[tuple[str, int]]:
+        """Make room for a write of object `h` (`size` bytes) and hold it until the write
+        is recorded (`_touch(..., reserved=size, wrote=True)`) or given up (`_unreserve`):
+        writers in parallel each count the others' objects still being written. Returns
+        digests to evict."""
         with self._lock:
             victims = self._evict_locked(size)
             self._reserved += size
+            self._writing[h] = self._writing.get(h, 0) + 1
             return victims
 
-    def _unreserve(self, size: int) -> None:
+    def _unreserve(self, h: str, size: int) -> None:
         with self._lock:
             self._reserved -= size
+            self._written(h)
+
+    def _written(self, h: str) -> None:
+        """Caller holds the lock: one write of `h` is recorded or given up."""
+        left = self._writing.pop(h, 0) - 1
+        if left > 0:
+            self._writing[h] = left
+
+    def _present_or_evicting(self, h: str, size: int, key: str) -> list[tuple[str, int]] | None:
+        """A put found object `h` whole: record the use (as `_touch`) and return digests
+        to evict, or None when its eviction is under way (its unlink would remove it once
+        PRESENT was answered: the put waits for it and writes the object anew)."""
+        with self._lock:
+            if h in self._evicting:
+                return None
+            return self._record_locked(h, size, key)
+
+    def _await_eviction(self, h: str, timeout_s: float) -> bool:
+        """Wait until no eviction of object `h` is under way; False when one still is
+        after `timeout_s`."""
+        with self._evicted:
+            return self._evicted.wait_for(lambda: h not in self._evicting, timeout_s)
 
     def _evict_locked(self, incoming: int) -> list[tuple[str, int]]:
         if self.capacity_bytes is None:
@@ -343,6 +401,8 @@ class FileBackend(StorageBackend):
             self._used -= size
             victims.append((h, size))
             self._evicting.add(h)
+            if self._gone_in_walk is not None:
+                self._gone_in_walk.add(h)
         return victims
 
     def _forget(self, h: str) -> None:
@@ -350,6 +410,8 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._used -= self._lru.pop(h, 0)
             self._pages.discard(h)
+            if self._gone_in_walk is not None:
+                self._gone_in_walk.add(h)
 
     def _unlink(self, victims: Sequence[tuple[str, int]]) -> None:
         """Remove the objects an eviction chose (counted `evicted`). One whose file cannot
@@ -373,6 +435,7 @@ class FileBackend(StorageBackend):
             removed.append(h)
         with self._lock:
             self._evicting.difference_update(h for h, _ in victims)
+            self._evicted.notify_all()
             for h, size in kept:
                 if h not in self._lru:  # (not written again meanwhile)
                     self._lru[h] = size
@@ -502,20 +565,32 @@ class FileBackend(StorageBackend):
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = self._path(h)
-            if _holds_whole(path, key, buf.nbytes):
-                if self.capacity_bytes is not None:  # used: recent again (and its key known)
-                    self._unlink(self._touch(h, buf.nbytes, key=key))
-                out.append(PutStatus.PRESENT)
+            bounded = self.capacity_bytes is not None
+            if bounded and h in self._evicting and not self._await_eviction(h, self.timeout_s):
+                out.append(PutStatus.FAILED)  # (its unlink hangs: it would remove a new file too)
                 continue
+            if _holds_whole(path, key, buf.nbytes):
+                if not bounded:
+                    out.append(PutStatus.PRESENT)
+                    continue
+                victims = self._present_or_evicting(h, buf.nbytes, key)
+                if victims is not None:  # used: recent again (and its key known)
+                    self._unlink(victims)
+                    out.append(PutStatus.PRESENT)
+                    continue
+                # Chosen for eviction since: once its unlink is done, written anew.
+                if not self._await_eviction(h, self.timeout_s):
+                    out.append(PutStatus.FAILED)
+                    continue
             tmp = path + tmp_suffix
-            reserved = buf.nbytes if self.capacity_bytes is not None else 0
+            reserved = buf.nbytes if bounded else 0
             try:
                 if reserved:
-                    self._unlink(self._reserve(reserved))
+                    self._unlink(self._reserve(h, reserved))
                 self._write_file(tmp, path, buf.data)
             except BaseException as e:
                 if reserved:
-                    self._unreserve(reserved)
+                    self._unreserve(h, reserved)
                 _discard(tmp)
                 if isinstance(e, OSError) and e.errno in _BAD_PATH_ERRNOS:
                     # Something else sits on this key's path (a file where its folder
@@ -601,6 +676,8 @@ class FileBackend(StorageBackend):
                 h = os.path.basename(path)[: -len(SUFFIX)]
                 self._used -= self._lru.pop(h, 0)
                 self._pages.discard(h)
+                if self._gone_in_walk is not None:
+                    self._gone_in_walk.add(h)
             if key.startswith(CANARY_PREFIX):
                 # A health check's canary has a fresh key each time: its fan-out folders,
                 # made for it, go with it (a probe every 10 s would leave thousands).

@@ -114,12 +114,13 @@ def test_a_read_during_an_eviction_does_not_record_the_evicted_object_again(tmp_
     backend = _backend(tmp_path, capacity_objects=2)
     k = keys(2)
     backend.put_from(k, Pool(2).slots())
-    victims = backend._reserve(OBJECT)  # the writer makes room: k0 leaves the index
+    w = "ff" * 16  # (the digest of the object the writer writes)
+    victims = backend._reserve(w, OBJECT)  # the writer makes room: k0 leaves the index
     assert backend.get_into([k[0]], Pool(1, seed=None).slots()) == [GetStatus.HIT]  # the reader
     backend._unlink(victims)
-    backend._unreserve(OBJECT)
+    backend._unreserve(w, OBJECT)
     assert backend.used_bytes == OBJECT == _files(tmp_path) * OBJECT
-    assert backend.exists_prefix([k[0]]) == 0 and not backend._evicting
+    assert backend.exists_prefix([k[0]]) == 0 and not backend._evicting and not backend._writing
 
 
 def test_index_is_rebuilt_from_mtimes_at_start(tmp_path: Path) -> None:
