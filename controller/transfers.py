@@ -100,16 +100,14 @@ class LentPages:
 
 @dataclass
 class L3Write:
-    """An L3 write queued or running: the kinds it writes and the nodes it covers (its
-    node, then the heads tree splits made of it meanwhile: their share of its pages)."""
+    """An L3 write queued or running: how many pages it writes of each kind (the last
+    ones of the path to its node: a FULL slot, an SWA window or tail; 1 for a MAMBA
+    checkpoint, its node's end) and the nodes it covers (its node, then the heads tree
+    splits made of it meanwhile: their share of its pages). Objects are named by their
+    content, so what it covers is a matter of token positions, not of L2 page ids."""
 
-    kinds: frozenset[ComponentKind]
+    pages: dict[ComponentKind, int]
     nodes: list[object]
-
-    def covers(self, node: object) -> frozenset[ComponentKind]:
-        """The kinds it writes of `node`'s slots: a head's per-page ones only (a MAMBA
-        checkpoint is its node's end, not a head's)."""
-        return self.kinds if node is self.nodes[0] else self.kinds - {MAMBA}
 
 
 @dataclass
@@ -597,10 +595,10 @@ class Transfers:
         stale_before = self._stale_before()
         stale = stale_before is not None and self.tree.storage_stale(victim.node, stale_before)
         queued = self._queued_l3.get(id(victim.node))
-        covered = queued.covers(victim.node) if queued is not None else frozenset()
         pages = {kind: ids for kind, ids in victim.pages.items()
                  if (stale or not self.tree.is_resident(victim.node, kind, Tier.STORAGE))
-                 and kind not in covered}  # (a queued write of the node writes those)
+                 and not (queued is not None  # (a queued write of the node writes those)
+                          and self._write_covers(queued, victim.node, kind, len(ids)))}
         if not pages:
             return
         namespace = self.tree.namespace_of(victim.node)
@@ -1033,7 +1031,7 @@ class Transfers:
             if (ids := self.tree.pages_of(node, kind, Tier.HOST)) is not None
         }
         writing = self._hold_for_l3(namespace, hashes, pages)
-        write = L3Write(frozenset(pages), [node])
+        write = L3Write({kind: len(ids) for kind, ids in pages.items()}, [node])
         self._queued_l3[id(node)] = write
 
         def finish(stored: bool, failed: bool = True) -> None:
@@ -1059,52 +1057,51 @@ class Transfers:
 
     def _landed_l3(self, write: L3Write, pages: dict[ComponentKind, np.ndarray]) -> None:
         """Caller holds the mutex. An L3 write stored `pages` (of its node, and of the
-        heads split off it meanwhile): record what is in L3 now, then offer the slots
-        committed since it was queued (a checkpoint), which it did not write, and those
-        L2 replaced while it ran."""
-        node = write.nodes[0]
-        changed: set[ComponentKind] = set()  # (slots L2 replaced while it ran)
-        if self.tree.is_live(node):
-            if FULL in pages:  # (a record of FULL, written again)
-                self.tree.storage_renewed(node)
-            for kind, ids in pages.items():
-                # What L2 holds now must be what was written (or, after a split, its
-                # tail): an SWA tail replaced by a longer one is not all in L3.
-                if self.tree.is_resident(node, kind, Tier.STORAGE):
+        heads split off it meanwhile): record each slot it covers (`_write_covers`) that
+        L2 or L1 still holds, then offer what it did not write: slots committed or grown
+        since it was queued (a checkpoint, a window), whose L2 landing found it queued."""
+        end = write.nodes[0]
+        if FULL in pages and self.tree.is_live(end):
+            self.tree.storage_renewed(end)  # (a record of FULL, written again)
+        for part in write.nodes:
+            if not self.tree.is_live(part):
+                continue
+            for kind in pages:
+                if self.tree.is_resident(part, kind, Tier.STORAGE):
                     continue
-                now = self.tree.pages_of(node, kind, Tier.HOST)
-                if now is None:
-                    # The L2 slot left while the write ran (its pages parked under it):
-                    # keys are the content's, so a FULL slot or a checkpoint still in L1
-                    # is what was written. (An SWA window may have grown meanwhile: not
-                    # known to be all in L3.)
-                    if kind is not ComponentKind.SWA and self.tree.is_resident(node, kind, Tier.DEVICE):
-                        self.tree.set_resident(node, kind, Tier.STORAGE)
-                elif len(now) <= len(ids) and np.array_equal(now, ids[len(ids) - len(now) :]):
-                    self.tree.set_resident(node, kind, Tier.STORAGE)
-                else:
-                    changed.add(kind)
-        if FULL in pages and len(write.nodes) > 1:
-            # The heads' FULL pages were written too: their share of the node's, by the
-            # keys' content (they lie before it on the path).
-            for part, lo, hi in self._span(node, len(pages[FULL]))[:-1]:
-                if (part in write.nodes and self.tree.is_live(part)
-                        and not self.tree.is_resident(part, FULL, Tier.STORAGE)):
-                    now = self.tree.pages_of(part, FULL, Tier.HOST)
-                    if now is not None and np.array_equal(now, pages[FULL][lo:hi]):
-                        self.tree.set_resident(part, FULL, Tier.STORAGE)
+                held = self.tree.pages_of(part, kind, Tier.HOST)
+                if held is None:
+                    held = self.tree.pages_of(part, kind, Tier.DEVICE)
+                if held is not None and self._write_covers(write, part, kind, len(held)):
+                    self.tree.set_resident(part, kind, Tier.STORAGE)  # (a partial slot: not recorded)
+                    if kind is FULL:
                         self.tree.storage_renewed(part)
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK:
             return  # (written when it leaves L2)
         stale_before = self._stale_before()
         for part in write.nodes:
             if self.tree.is_live(part):
-                # (A slot replaced while it ran, an SWA tail grown whole, is offered again:
-                # its landing in L2 found this write queued and offered nothing.)
-                missed = [kind for kind in self.tree.slots_for_storage(part, stale_before)
-                          if kind not in write.covers(part) or (part is node and kind in changed)]
+                missed = self.tree.slots_for_storage(part, stale_before)
                 if missed:
                     self.backup_to_storage(part, missed)
+
+    def _write_covers(self, write: L3Write, part: object, kind: ComponentKind, slot_pages: int) -> bool:
+        """Caller holds the mutex. Whether `write` stores `part`'s `kind` slot of
+        `slot_pages` pages (its last pages, up to `part`'s end): those token pages lie
+        among the last `write.pages[kind]` of the path to the write's node. A MAMBA
+        checkpoint: the write's node's own. (`part` is that node or a head split off it.)"""
+        n = write.pages.get(kind)
+        if n is None:
+            return False
+        end = write.nodes[0]
+        if kind is MAMBA:
+            return part is end
+        if not (self.tree.is_live(end) and self.tree.is_live(part)):
+            return False
+        end_at = self.tree.depth_tokens(end)
+        part_end = self.tree.depth_tokens(part)
+        ps = self.cfg.model.page_size
+        return part_end <= end_at and part_end - slot_pages * ps >= end_at - n * ps
 
     def _hold_for_l3(self, namespace: str, hashes: bytes,
                      pages: dict[ComponentKind, np.ndarray]) -> list[Writing]:

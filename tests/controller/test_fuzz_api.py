@@ -93,6 +93,9 @@ class Req:
     held: dict | None = None
     state_at: int = 0  # pages whose MAMBA state the allocation's slot holds (0: none known)
     checkpoint: bool = False  # the match found a MAMBA checkpoint at its device boundary
+    # A Load moved pages while `pages` was unknown: it may have landed them in the
+    # allocation's own first pages, which then left it (known at the next growth).
+    maybe_lent: bool = False
 
     @property
     def total(self) -> int:
@@ -436,7 +439,21 @@ class ControllerFuzz(RuleBasedStateMachine):
         assert last.device_tokens // PS >= r.dev
         self._verify(r.eng, last.device_pages, r.tokens, last.device_tokens)
         event(f"load ok moved={last.device_tokens // PS > r.dev}")
-        r.dev = r.prefix = last.device_tokens // PS
+        new_dev = last.device_tokens // PS
+        if r.alloc_id is not None and new_dev > r.dev:
+            # A Load lands the L2 part in the request's own allocation where its pages
+            # stand for it: those pages, and the allocation's before them, then leave the
+            # allocation (its growth returns the pages it still holds). The loaded run's
+            # last page tells (a load's own pages are never the allocation's).
+            hi = new_dev - r.alloc_start
+            if r.pages is None:
+                r.maybe_lent = True
+            elif 0 < hi <= r.alloc_len and r.pages["full"][hi - 1] == last.device_pages["full"][new_dev - 1]:
+                event("load lent the allocation's pages")
+                r.pages = {name: ids if name in self.mamba else ids[hi:] for name, ids in r.pages.items()}
+                r.alloc_len -= hi
+                r.alloc_start = new_dev
+        r.dev = r.prefix = new_dev
         r.held = self._paged_only(last.device_pages)
         r.checkpoint = bool(self.mamba) and any(len(last.device_pages.get(n, ())) for n in self.mamba)
 
@@ -495,7 +512,13 @@ class ControllerFuzz(RuleBasedStateMachine):
         if err is not None:
             return
         assert info.allocation_id == r.alloc_id
-        assert self._paged(info.pages) == r.alloc_len + n_pages, (self._paged(info.pages), r.alloc_len, n_pages)
+        got = self._paged(info.pages)
+        if r.maybe_lent and got == r.alloc_len - (r.dev - r.alloc_start) + n_pages != r.alloc_len + n_pages:
+            event("grow after a load that lent the allocation's pages")
+            r.alloc_len -= r.dev - r.alloc_start
+            r.alloc_start = r.dev
+        r.maybe_lent = False
+        assert got == r.alloc_len + n_pages, (got, r.alloc_len, n_pages)
         r.pages = dict(info.pages)
         r.alloc_len += n_pages
         r.tokens = tokens
