@@ -1067,15 +1067,15 @@ class Transfers:
             if not self.tree.is_live(part):
                 continue
             for kind in pages:
-                if self.tree.is_resident(part, kind, Tier.STORAGE):
-                    continue
                 held = self.tree.pages_of(part, kind, Tier.HOST)
                 if held is None:
                     held = self.tree.pages_of(part, kind, Tier.DEVICE)
-                if held is not None and self._write_covers(write, part, kind, len(held)):
+                if held is None or not self._write_covers(write, part, kind, len(held)):
+                    continue
+                if not self.tree.is_resident(part, kind, Tier.STORAGE):
                     self.tree.set_resident(part, kind, Tier.STORAGE)  # (a partial slot: not recorded)
-                    if kind is FULL:
-                        self.tree.storage_renewed(part)
+                if kind is FULL:
+                    self.tree.storage_renewed(part)  # (a head's record too, written again)
         if self.cfg.write.l2_to_l3 is WritePolicy.WRITE_BACK:
             return  # (written when it leaves L2)
         stale_before = self._stale_before()
@@ -1089,14 +1089,15 @@ class Transfers:
         """Caller holds the mutex. Whether `write` stores `part`'s `kind` slot of
         `slot_pages` pages (its last pages, up to `part`'s end): those token pages lie
         among the last `write.pages[kind]` of the path to the write's node. A MAMBA
-        checkpoint: the write's node's own. (`part` is that node or a head split off it.)"""
+        checkpoint: the write's node's own. (`part` is that node or a head split off it;
+        the node may have left the tree since: its depth still says where the pages were.)"""
         n = write.pages.get(kind)
         if n is None:
             return False
         end = write.nodes[0]
         if kind is MAMBA:
             return part is end
-        if not (self.tree.is_live(end) and self.tree.is_live(part)):
+        if not self.tree.is_live(part):
             return False
         end_at = self.tree.depth_tokens(end)
         part_end = self.tree.depth_tokens(part)

@@ -106,6 +106,9 @@ def _writer_gone(pid: int, mtime: float) -> bool:
     except OSError:  # (EPERM: alive, another user's)
         return False
     return False
+# A put of an object whose eviction or write by another thread is under way waits for it
+# and looks again, this many times at most (each wait bounded by `storage.timeout_s`).
+PUT_ROUNDS = 4
 # Existence checks run in chunks of this many keys (a miss ends the run: at most one chunk
 # is checked past it).
 EXISTS_CHUNK = 64
@@ -143,10 +146,10 @@ class FileBackend(StorageBackend):
         # read since the start (the walk learns no keys): their evictions count as pages.
         self._pages: set[str] = set()
         self._lock = threading.Lock()
-        # Notified when evictions' unlinks are done: a put of an object whose eviction is
-        # under way waits for it (the unlink, outside the lock, would remove what the put
-        # found present, or wrote).
-        self._evicted = threading.Condition(self._lock)
+        # Notified when evictions' unlinks and writes are done: a put of an object whose
+        # eviction or write is under way waits for it (the unlink, outside the lock, would
+        # remove what the put found present or wrote; another writer's object is its own).
+        self._quiet = threading.Condition(self._lock)
         self._host = _host_tag()
         self._indexer: threading.Thread | None = None
         self._index_error: BaseException | None = None
@@ -212,8 +215,8 @@ class FileBackend(StorageBackend):
         indexer = self._indexer
         if indexer is None or indexer is threading.current_thread():
             return calls_done
-        indexer.join(max(0.0, deadline - time.monotonic()))
-        return calls_done and not indexer.is_alive()
+        indexer.join(max(0.0, deadline - time.monotonic()))  # (it stops at its next folder)
+        return calls_done  # (the walk holds no caller's buffer)
 
     def wait_indexed(self, timeout_s: float) -> bool:
         """Whether the start's walk of the store (index, stale temp files) is done,
@@ -355,15 +358,21 @@ class FileBackend(StorageBackend):
             self._pages.add(h)
         return self._evict_locked(0)
 
-    def _reserve(self, h: str, size: int) -> list[tuple[str, int]]:
+    def _reserve(self, h: str, size: int) -> list[tuple[str, int]] | None:
         """Make room for a write of object `h` (`size` bytes) and hold it until the write
         is recorded (`_touch(..., reserved=size, wrote=True)`) or given up (`_unreserve`):
         writers in parallel each count the others' objects still being written. Returns
-        digests to evict."""
+        digests to evict, or None (nothing reserved) while an eviction or another write
+        of `h` is under way (`_await_quiet`, then look again). An index entry of `h` (its
+        file found gone or torn) goes: the write replaces it, and no eviction may pick
+        it, whose unlink would remove the new file."""
         with self._lock:
+            if h in self._evicting or h in self._writing:
+                return None
+            self._used -= self._lru.pop(h, 0)
             victims = self._evict_locked(size)
             self._reserved += size
-            self._writing[h] = self._writing.get(h, 0) + 1
+            self._writing[h] = 1
             return victims
 
     def _unreserve(self, h: str, size: int) -> None:
@@ -372,25 +381,27 @@ class FileBackend(StorageBackend):
             self._written(h)
 
     def _written(self, h: str) -> None:
-        """Caller holds the lock: one write of `h` is recorded or given up."""
-        left = self._writing.pop(h, 0) - 1
-        if left > 0:
-            self._writing[h] = left
+        """Caller holds the lock: the write of `h` is recorded or given up."""
+        if self._writing.pop(h, None) is not None:
+            self._quiet.notify_all()
 
-    def _present_or_evicting(self, h: str, size: int, key: str) -> list[tuple[str, int]] | None:
+    def _present_or_busy(self, h: str, size: int, key: str) -> list[tuple[str, int]] | None:
         """A put found object `h` whole: record the use (as `_touch`) and return digests
-        to evict, or None when its eviction is under way (its unlink would remove it once
-        PRESENT was answered: the put waits for it and writes the object anew)."""
+        to evict, or None while its eviction (whose unlink would remove it once PRESENT
+        was answered) or a write of it is under way (`_await_quiet`, then look again)."""
         with self._lock:
-            if h in self._evicting:
+            if h in self._evicting or h in self._writing:
                 return None
             return self._record_locked(h, size, key)
 
-    def _await_eviction(self, h: str, timeout_s: float) -> bool:
-        """Wait until no eviction of object `h` is under way; False when one still is
-        after `timeout_s`."""
-        with self._evicted:
-            return self._evicted.wait_for(lambda: h not in self._evicting, timeout_s)
+    def _await_quiet(self, h: str, timeout_s: float) -> bool:
+        """Wait until no eviction or write of object `h` is under way; False when one
+        still is after `timeout_s`."""
+        if h not in self._evicting and h not in self._writing:  # (rechecked under the lock)
+            return True
+        with self._quiet:
+            return self._quiet.wait_for(
+                lambda: h not in self._evicting and h not in self._writing, timeout_s)
 
     def _evict_locked(self, incoming: int) -> list[tuple[str, int]]:
         if self.capacity_bytes is None:
@@ -435,7 +446,7 @@ class FileBackend(StorageBackend):
             removed.append(h)
         with self._lock:
             self._evicting.difference_update(h for h, _ in victims)
-            self._evicted.notify_all()
+            self._quiet.notify_all()
             for h, size in kept:
                 if h not in self._lru:  # (not written again meanwhile)
                     self._lru[h] = size
@@ -565,28 +576,13 @@ class FileBackend(StorageBackend):
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = self._path(h)
-            bounded = self.capacity_bytes is not None
-            if bounded and h in self._evicting and not self._await_eviction(h, self.timeout_s):
-                out.append(PutStatus.FAILED)  # (its unlink hangs: it would remove a new file too)
+            status = self._present_or_reserve(h, key, path, buf.nbytes)
+            if status is not None:
+                out.append(status)
                 continue
-            if _holds_whole(path, key, buf.nbytes):
-                if not bounded:
-                    out.append(PutStatus.PRESENT)
-                    continue
-                victims = self._present_or_evicting(h, buf.nbytes, key)
-                if victims is not None:  # used: recent again (and its key known)
-                    self._unlink(victims)
-                    out.append(PutStatus.PRESENT)
-                    continue
-                # Chosen for eviction since: once its unlink is done, written anew.
-                if not self._await_eviction(h, self.timeout_s):
-                    out.append(PutStatus.FAILED)
-                    continue
             tmp = path + tmp_suffix
-            reserved = buf.nbytes if bounded else 0
+            reserved = buf.nbytes if self.capacity_bytes is not None else 0
             try:
-                if reserved:
-                    self._unlink(self._reserve(h, reserved))
                 self._write_file(tmp, path, buf.data)
             except BaseException as e:
                 if reserved:
@@ -622,6 +618,31 @@ class FileBackend(StorageBackend):
             self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True, key=key))
             out.append(PutStatus.STORED)
         return out
+
+    def _present_or_reserve(self, h: str, key: str, path: str, size: int) -> PutStatus | None:
+        """A put of object `h`: PRESENT when the store holds it whole (recorded as a use),
+        None when it is to be written (with a capacity: its room reserved, victims
+        evicted), FAILED when an eviction or another write of it under way did not end
+        within `storage.timeout_s`. Either one under way ends first: the eviction's
+        unlink would remove what this put found or wrote, and another writer's object is
+        this one's (a second write would reserve its room twice)."""
+        if self.capacity_bytes is None:
+            return PutStatus.PRESENT if _holds_whole(path, key, size) else None
+        for _ in range(PUT_ROUNDS):
+            if not self._await_quiet(h, self.timeout_s):
+                return PutStatus.FAILED
+            if _holds_whole(path, key, size):
+                victims = self._present_or_busy(h, size, key)
+                if victims is None:
+                    continue  # (an eviction or a write of it began meanwhile)
+                self._unlink(victims)  # used: recent again (and its key known)
+                return PutStatus.PRESENT
+            victims = self._reserve(h, size)
+            if victims is None:
+                continue
+            self._unlink(victims)
+            return None
+        return PutStatus.FAILED
 
     def _write_file(self, tmp: str, path: str, data: memoryview) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
