@@ -170,6 +170,9 @@ def test_a_session_whose_end_left_the_cache_closes_and_its_prefix_goes_by_lru(
             paths.append(tokens(2 * PAGE, start=70_000 + 1_000 * k))
             life(c, paths[-1], f"s-{k}")
             assert eventually(lambda k=k: host_used(c) == min(2 * (k + 1), 32))
+        # Every path's L1 -> L2 copy landed (L2 is full from the 16th on, so a copy landing
+        # later would still push an older path out: a CI run saw one go after `cached`).
+        assert eventually(lambda: c.stats().counters.get("backups_host") == 2 * len(paths))
         cached = [(m := c.match(s)).device_tokens + m.host_tokens for s in paths]
         # ... so some sessions' paths left both tiers (which ones depends on when each
         # L1 -> L2 copy landed: a CI run kept the first), the others are whole
