@@ -142,6 +142,12 @@ class FileBackend(StorageBackend):
         # While the start's walk runs: objects removed, forgotten or evicted meanwhile. The
         # walk may have found them before they went; its merge must not bring them back.
         self._gone_in_walk: set[str] | None = None
+        # Counts removals from the store and the index (deletes, evictions picked and
+        # done, entries forgotten): a read or put records a use it saw on disk only after
+        # making sure, under the lock, that no removal since took the file (else the
+        # index would count an object no disk holds, and evict a real one for it).
+        self._removals = 0
+        self._writes = 0  # writes recorded (a read's miss forgets nothing written since)
         # Indexed objects whose key is a page's (`count_pages_of`), among those written or
         # read since the start (the walk learns no keys): their evictions count as pages.
         self._pages: set[str] = set()
@@ -334,22 +340,34 @@ class FileBackend(StorageBackend):
         return f"{self.root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"
 
     def _touch(self, h: str, size: int, reserved: int = 0, *, wrote: bool = False,
-               key: str = "") -> list[tuple[str, int]]:
+               key: str = "", seen: int | None = None) -> list[tuple[str, int]]:
         """Record a use of object `h` (`wrote`: a write's; the `reserved` bytes it made room
         for become its own; `key`: its key, when the store is bounded); returns digests to
         evict to stay within capacity. A read of an object whose eviction is under way
-        records nothing."""
+        records nothing; nor does a use seen on disk (`seen`: `_removals` before it looked)
+        whose file a removal since took."""
         with self._lock:
             self._reserved -= reserved
             if wrote:
                 self._evicting.discard(h)  # (a write finds no file: that unlink is done)
                 self._written(h)
+                self._writes += 1
             elif h in self._evicting:
+                return []
+            if not self._still_there(h, seen):
                 return []
             return self._record_locked(h, size, key)
 
+    def _still_there(self, h: str, seen: int | None) -> bool:
+        """Caller holds the lock: whether object `h`, seen on disk when `_removals` was
+        `seen`, may be recorded: no removal since, or its file is there still."""
+        return seen is None or seen == self._removals or os.path.exists(self._path(h))
+
     def _record_locked(self, h: str, size: int, key: str) -> list[tuple[str, int]]:
-        """Caller holds the lock: `_touch`'s record."""
+        """Caller holds the lock: `_touch`'s record. A health check's canary is not
+        indexed: puts meanwhile must not evict it before its read-back (it goes at once)."""
+        if key.startswith(CANARY_PREFIX):
+            return []
         old = self._lru.pop(h, None)
         self._used += size - (old or 0)
         self._lru[h] = size
@@ -385,12 +403,13 @@ class FileBackend(StorageBackend):
         if self._writing.pop(h, None) is not None:
             self._quiet.notify_all()
 
-    def _present_or_busy(self, h: str, size: int, key: str) -> list[tuple[str, int]] | None:
-        """A put found object `h` whole: record the use (as `_touch`) and return digests
-        to evict, or None while its eviction (whose unlink would remove it once PRESENT
-        was answered) or a write of it is under way (`_await_quiet`, then look again)."""
+    def _present_or_busy(self, h: str, size: int, key: str, seen: int) -> list[tuple[str, int]] | None:
+        """A put found object `h` whole (when `_removals` was `seen`): record the use (as
+        `_touch`) and return digests to evict, or None while its eviction (whose unlink
+        would remove it once PRESENT was answered) or a write of it is under way, or when
+        a removal took it since (`_await_quiet`, then look again)."""
         with self._lock:
-            if h in self._evicting or h in self._writing:
+            if h in self._evicting or h in self._writing or not self._still_there(h, seen):
                 return None
             return self._record_locked(h, size, key)
 
@@ -412,15 +431,20 @@ class FileBackend(StorageBackend):
             self._used -= size
             victims.append((h, size))
             self._evicting.add(h)
+            self._removals += 1
             if self._gone_in_walk is not None:
                 self._gone_in_walk.add(h)
         return victims
 
-    def _forget(self, h: str) -> None:
-        """A read found `h`'s file gone (another node removed it): its entry goes too."""
+    def _forget(self, h: str, writes_seen: int) -> None:
+        """A read found `h`'s file gone (another node removed it) when `_writes` was
+        `writes_seen`: its entry goes too, unless a put is writing it or wrote it since."""
         with self._lock:
+            if h in self._writing or (writes_seen != self._writes and os.path.exists(self._path(h))):
+                return
             self._used -= self._lru.pop(h, 0)
             self._pages.discard(h)
+            self._removals += 1
             if self._gone_in_walk is not None:
                 self._gone_in_walk.add(h)
 
@@ -446,6 +470,7 @@ class FileBackend(StorageBackend):
             removed.append(h)
         with self._lock:
             self._evicting.difference_update(h for h, _ in victims)
+            self._removals += 1
             self._quiet.notify_all()
             for h, size in kept:
                 if h not in self._lru:  # (not written again meanwhile)
@@ -523,18 +548,19 @@ class FileBackend(StorageBackend):
         for key, buf in zip(keys, buffers, strict=True):
             h = key_digest(key).hex()
             path = f"{root}/{h[0:2]}/{h[2:4]}/{h}{SUFFIX}"  # (`_path`, inlined)
+            seen, writes_seen = self._removals, self._writes
             try:
                 # Never follows a link, never blocks on a FIFO someone left there.
                 fd = os.open(path, _READ_FLAGS)
             except FileNotFoundError:
-                self._forget(h)
+                self._forget(h, writes_seen)
                 out.append(MISSING)
                 continue
             except OSError as e:
                 # ESTALE: removed by another node (NFS), gone like above; ENOTDIR: something
                 # other than a folder where its fan-out folder belongs: nothing of ours.
                 if e.errno in _ABSENT_ERRNOS:
-                    self._forget(h)
+                    self._forget(h, writes_seen)
                     out.append(MISSING)
                     continue
                 if e.errno not in _NOT_AN_OBJECT_ERRNOS:
@@ -547,7 +573,7 @@ class FileBackend(StorageBackend):
                     size = NOT_AN_OBJECT  # a FIFO reads as empty: not a torn object of ours
             except OSError as e:
                 if e.errno == errno.ESTALE:  # removed by another node while open (NFS)
-                    self._forget(h)
+                    self._forget(h, writes_seen)
                     size = MISSING
                 elif e.errno not in _NOT_AN_OBJECT_ERRNOS:
                     raise _unavailable(path, e) from None
@@ -557,7 +583,7 @@ class FileBackend(StorageBackend):
                 os.close(fd)
             if size == buf.nbytes:
                 if track_recency or h not in lru:
-                    self._unlink(self._touch(h, size, key=key))
+                    self._unlink(self._touch(h, size, key=key, seen=seen))
                 try:
                     check_object(buf, key, size)
                     size = VERIFIED
@@ -582,6 +608,7 @@ class FileBackend(StorageBackend):
                 continue
             tmp = path + tmp_suffix
             reserved = buf.nbytes if self.capacity_bytes is not None else 0
+            seen = self._removals
             try:
                 self._write_file(tmp, path, buf.data)
             except BaseException as e:
@@ -615,7 +642,7 @@ class FileBackend(StorageBackend):
                 if isinstance(e, OSError):
                     raise _unavailable(path, e) from None
                 raise
-            self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True, key=key))
+            self._unlink(self._touch(h, buf.nbytes, reserved, wrote=True, key=key, seen=seen))
             out.append(PutStatus.STORED)
         return out
 
@@ -631,8 +658,9 @@ class FileBackend(StorageBackend):
         for _ in range(PUT_ROUNDS):
             if not self._await_quiet(h, self.timeout_s):
                 return PutStatus.FAILED
+            seen = self._removals
             if _holds_whole(path, key, size):
-                victims = self._present_or_busy(h, size, key)
+                victims = self._present_or_busy(h, size, key, seen)
                 if victims is None:
                     continue  # (an eviction or a write of it began meanwhile)
                 self._unlink(victims)  # used: recent again (and its key known)
@@ -697,6 +725,7 @@ class FileBackend(StorageBackend):
                 h = os.path.basename(path)[: -len(SUFFIX)]
                 self._used -= self._lru.pop(h, 0)
                 self._pages.discard(h)
+                self._removals += 1
                 if self._gone_in_walk is not None:
                     self._gone_in_walk.add(h)
             if key.startswith(CANARY_PREFIX):
