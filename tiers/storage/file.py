@@ -148,6 +148,9 @@ class FileBackend(StorageBackend):
         # index would count an object no disk holds, and evict a real one for it).
         self._removals = 0
         self._writes = 0  # writes recorded (a read's miss forgets nothing written since)
+        # Entries a write under way took out of the index (`_reserve`): put back when it
+        # fails and their file is still there (a torn object stays counted, and evictable).
+        self._replaced: dict[str, int] = {}
         # Indexed objects whose key is a page's (`count_pages_of`), among those written or
         # read since the start (the walk learns no keys): their evictions count as pages.
         self._pages: set[str] = set()
@@ -214,8 +217,9 @@ class FileBackend(StorageBackend):
                  self.capacity_bytes, self.fsync, self.threads)
 
     def close(self, wait_s: float = 0.0) -> bool:
-        with self._lock:
-            self._closing = True  # (a walk under way stops at its next folder, or merges nothing)
+        # (Not under the lock, which a call on a hung mount may hold: the walk stops at its
+        # next folder, and its merge checks again under the lock.)
+        self._closing = True
         deadline = time.monotonic() + wait_s
         calls_done = self._caller.close(wait_s)
         indexer = self._indexer
@@ -280,6 +284,11 @@ class FileBackend(StorageBackend):
                         raise _unavailable(path, e) from None
                     continue  # gone meanwhile, a link loop, ...: not an object of ours
         found.sort()
+        try:  # (folders removed while it walked, or the whole store: their objects went)
+            present = {name for name in os.listdir(self.root) if len(name) == 2}
+        except OSError:
+            present = set()
+        found = [entry for entry in found if entry[1][:2] in present]
         with self._lock:
             if self._closing:
                 return  # (closed while it walked: a backend built anew counts the store)
@@ -351,9 +360,10 @@ class FileBackend(StorageBackend):
             if wrote:
                 self._evicting.discard(h)  # (a write finds no file: that unlink is done)
                 self._written(h)
+                self._replaced.pop(h, None)
                 self._writes += 1
-            elif h in self._evicting:
-                return []
+            elif h in self._evicting or h in self._writing:
+                return []  # (a write of it records it: counted once, by its reservation)
             if not self._still_there(h, seen):
                 return []
             return self._record_locked(h, size, key)
@@ -387,7 +397,10 @@ class FileBackend(StorageBackend):
         with self._lock:
             if h in self._evicting or h in self._writing:
                 return None
-            self._used -= self._lru.pop(h, 0)
+            old = self._lru.pop(h, None)
+            if old is not None:
+                self._used -= old
+                self._replaced[h] = old
             victims = self._evict_locked(size)
             self._reserved += size
             self._writing[h] = 1
@@ -397,6 +410,11 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._reserved -= size
             self._written(h)
+            old = self._replaced.pop(h, None)
+            if old is not None and h not in self._lru and os.path.exists(self._path(h)):
+                self._lru[h] = old
+                self._lru.move_to_end(h, last=False)  # (a torn object: the first to go)
+                self._used += old
 
     def _written(self, h: str) -> None:
         """Caller holds the lock: the write of `h` is recorded or given up."""
@@ -742,8 +760,7 @@ class FileBackend(StorageBackend):
                 # (and with the breaker open, none would reach the backend).
                 make_dirs(self.root, GROUP_DIR_MODE)
                 with self._lock:
-                    self._lru.clear()
-                    self._pages.clear()
+                    self._forget_all_locked(list(self._lru))
                     self._used = 0
                 self._folders = set()
                 self.resets += 1
@@ -782,13 +799,22 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._folders -= gone
             dropped = [h for h in self._lru if h[:2] in gone]
-            for h in dropped:
-                self._used -= self._lru.pop(h)
-                self._pages.discard(h)
+            self._forget_all_locked(dropped)
         if dropped:
             self.resets += 1
             log.warning("L3 file backend: %d fan-out folders of %s were removed (the %d "
                         "objects they held are gone)", len(gone), self.root, len(dropped))
+
+    def _forget_all_locked(self, digests: list[str]) -> None:
+        """Caller holds the lock: these objects' files went with their folders (or the
+        store): their entries go, as a removal (a read in flight records none of them, a
+        walk under way brings none back)."""
+        for h in digests:
+            self._used -= self._lru.pop(h)
+            self._pages.discard(h)
+            if self._gone_in_walk is not None:
+                self._gone_in_walk.add(h)
+        self._removals += 1
 
     @property
     def used_bytes(self) -> int:
