@@ -533,7 +533,7 @@ class HybridCacheController(CacheService):
         limit = self.cfg.server.max_tokens_per_request
         most = -(-limit // self._ps)
         kind = self._paged[0]
-        held = (len(record.pages[kind]) + record.lent
+        held = (len(record.pages[kind]) + self.transfers.lent_from(record)
                 + sum(len(ids) for ids in record.retired.get(kind, ())))
         more = -(-num_tokens // self._ps)
         if held + more > most:

@@ -47,9 +47,6 @@ class AllocationRecord:
     # the running request still reads its KV from: freed with the allocation, not before.
     retired: dict[ComponentKind, list[np.ndarray]] = field(default_factory=dict)
     handle: int = 0  # its allocation_id, once registered
-    # Pages (per paged kind) a Load in flight borrowed from it (`Transfers._borrow`): out
-    # of `pages` while the copy runs, still the request's (they come back if it fails).
-    lent: int = 0
 
 
 @dataclass

@@ -1272,13 +1272,14 @@ class Transfers:
         for kind in lend.pages:
             lend.pages[kind] = lend.pages[kind][n:]
         lend.start_page += n
-        lend.lent += n
         return lent
 
-    @staticmethod
-    def _settled(lent: LentPages) -> None:
-        """The load that borrowed these pages ended (landed, gave them back or freed them)."""
-        lent.allocation.lent -= len(lent.pages[FULL])
+    def lent_from(self, allocation: AllocationRecord) -> int:
+        """Caller holds the mutex. Pages (per paged kind) the loads in flight borrowed
+        from `allocation` (`_borrow`): out of its `pages` while they copy, still the
+        request's (they come back if a load fails)."""
+        return sum(len(op.lent.pages[FULL]) for op in self._loads
+                   if op.lent is not None and op.lent.allocation is allocation)
 
     def _unlanded(self, lent: LentPages | None) -> Callable[[ComponentKind, np.ndarray], None]:
         """Where L1 pages of a load that did not land (or that no move used) go: freed,
@@ -1303,7 +1304,6 @@ class Transfers:
         engine may then compute those tokens there, as it would have), else freed."""
         alloc = lent.allocation
         n = len(lent.pages[FULL])
-        self._settled(lent)
         if self.ctl._engines.holds(alloc) and alloc.start_page == lent.start_page + n:
             for kind, ids in lent.pages.items():
                 alloc.pages[kind] = np.concatenate([ids, alloc.pages[kind]])
@@ -1420,7 +1420,6 @@ class Transfers:
                     moves = [m for m in moves if not lent.backs(m[1])]
                     self.give_back(lent)
                 else:  # (SWA's pages outside its window: the engine holds their ids too)
-                    self._settled(lent)
                     keep = self._unlanded(lent)
                     for kind, ids in lent.unused.items():
                         keep(kind, ids)
@@ -1540,14 +1539,7 @@ class Transfers:
     # ------------------------------------------------------------------ audit
 
     def check_ownership(self, engines: EngineRegistry) -> None:
-        """Every allocated L1/L2 page is held by exactly one owner; an allocation counts
-        as lent exactly the pages the loads in flight borrowed from it."""
-        lent: Counter[int] = Counter()
-        for op in self._loads:
-            if op.lent is not None:
-                lent[id(op.lent.allocation)] += len(op.lent.pages[FULL])
-        for rec in engines._allocations.values():
-            assert rec.lent == lent[id(rec)], f"allocation {rec.handle}: lent {rec.lent} != {lent[id(rec)]}"
+        """Every allocated L1/L2 page is held by exactly one owner."""
         for tier, pools in ((Tier.DEVICE, self.ctl.device), (Tier.HOST, self.ctl.host)):
             for kind in self.ctl._kinds:
                 owned: list[np.ndarray] = []

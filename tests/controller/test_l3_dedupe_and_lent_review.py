@@ -1,6 +1,6 @@
 """Review of 98db717 (`Transfers._queued_l3` maps each node an L3 write covers, the
 heads splits made of it meanwhile included, to that write: `backup_to_storage` skips a
-covered node) and ed8036f (`AllocationRecord.lent`: pages a running Load borrowed from
+covered node) and ed8036f (the pages a running Load borrowed from
 the request's allocation, counted by `Controller._check_growth`).
 
 The L3 writes are held at the backend (`L3Gate`, on `ctl.l3.backend.put_from`) while
@@ -267,7 +267,7 @@ def grow(ctl, m, pages: int):  # type: ignore[no-untyped-def]
 
 def lent_of(ctl, m) -> int:  # type: ignore[no-untyped-def]
     with ctl._mu:
-        return ctl._engines.allocation("e1", m.allocation_id).lent
+        return ctl.transfers.lent_from(ctl._engines.allocation("e1", m.allocation_id))
 
 
 @pytest.mark.parametrize("end", ["lands", "lock_released", "fails"])

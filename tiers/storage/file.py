@@ -449,10 +449,22 @@ class FileBackend(StorageBackend):
             self._used -= size
             victims.append((h, size))
             self._evicting.add(h)
-            self._removals += 1
-            if self._gone_in_walk is not None:
-                self._gone_in_walk.add(h)
+            self._gone_locked(h)
         return victims
+
+    def _gone_locked(self, h: str) -> None:
+        """Caller holds the lock: object `h` leaves the store or the index (removed,
+        evicted, forgotten), a removal: a read or put in flight records none of it
+        (`_still_there`), a walk under way brings none of it back (`_gone_in_walk`)."""
+        self._removals += 1
+        if self._gone_in_walk is not None:
+            self._gone_in_walk.add(h)
+
+    def _drop_locked(self, h: str) -> None:
+        """Caller holds the lock: object `h`'s entry goes (`_gone_locked`)."""
+        self._used -= self._lru.pop(h, 0)
+        self._pages.discard(h)
+        self._gone_locked(h)
 
     def _forget(self, h: str, writes_seen: int) -> None:
         """A read found `h`'s file gone (another node removed it) when `_writes` was
@@ -460,11 +472,7 @@ class FileBackend(StorageBackend):
         with self._lock:
             if h in self._writing or (writes_seen != self._writes and os.path.exists(self._path(h))):
                 return
-            self._used -= self._lru.pop(h, 0)
-            self._pages.discard(h)
-            self._removals += 1
-            if self._gone_in_walk is not None:
-                self._gone_in_walk.add(h)
+            self._drop_locked(h)
 
     def _unlink(self, victims: Sequence[tuple[str, int]]) -> None:
         """Remove the objects an eviction chose (counted `evicted`). One whose file cannot
@@ -740,12 +748,7 @@ class FileBackend(StorageBackend):
                         raise _unavailable(path, e) from None
                     # Not an object of ours there (a directory, a file where its folder
                     # belongs): nothing to remove; the other keys still go.
-                h = os.path.basename(path)[: -len(SUFFIX)]
-                self._used -= self._lru.pop(h, 0)
-                self._pages.discard(h)
-                self._removals += 1
-                if self._gone_in_walk is not None:
-                    self._gone_in_walk.add(h)
+                self._drop_locked(os.path.basename(path)[: -len(SUFFIX)])
             if key.startswith(CANARY_PREFIX):
                 # A health check's canary has a fresh key each time: its fan-out folders,
                 # made for it, go with it (a probe every 10 s would leave thousands).
@@ -760,8 +763,9 @@ class FileBackend(StorageBackend):
                 # (and with the breaker open, none would reach the backend).
                 make_dirs(self.root, GROUP_DIR_MODE)
                 with self._lock:
-                    self._forget_all_locked(list(self._lru))
-                    self._used = 0
+                    for h in list(self._lru):  # (their files went with the store)
+                        self._drop_locked(h)
+                    self._pages.clear()
                 self._folders = set()
                 self.resets += 1
                 log.warning("L3 file backend: %s was removed; created it again (the objects "
@@ -799,22 +803,12 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._folders -= gone
             dropped = [h for h in self._lru if h[:2] in gone]
-            self._forget_all_locked(dropped)
+            for h in dropped:  # (their files went with their folders)
+                self._drop_locked(h)
         if dropped:
             self.resets += 1
             log.warning("L3 file backend: %d fan-out folders of %s were removed (the %d "
                         "objects they held are gone)", len(gone), self.root, len(dropped))
-
-    def _forget_all_locked(self, digests: list[str]) -> None:
-        """Caller holds the lock: these objects' files went with their folders (or the
-        store): their entries go, as a removal (a read in flight records none of them, a
-        walk under way brings none back)."""
-        for h in digests:
-            self._used -= self._lru.pop(h)
-            self._pages.discard(h)
-            if self._gone_in_walk is not None:
-                self._gone_in_walk.add(h)
-        self._removals += 1
 
     @property
     def used_bytes(self) -> int:
