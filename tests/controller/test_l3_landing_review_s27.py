@@ -9,10 +9,10 @@ audited at the end (`make`)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from engine_sim import Engine, evict_all, seq, tree_path
+from l3_kit import Held, in_l3, quiet_and_unwritten, resident, storage_tokens, wait_for
 
 from hicache.controller.base import MatchRequest
 from hicache.types import ComponentKind, Tier
@@ -21,88 +21,6 @@ FULL = ComponentKind.FULL
 SWA = ComponentKind.SWA
 MAMBA = ComponentKind.MAMBA
 PB = 16  # bytes of one page of tokens (page size 4, u32 tokens)
-
-
-class Held:
-    """Holds the backend's `_write_from` calls whose keys match `pick` (all by default)
-    until `open()`; records every key each call was given (held or not)."""
-
-    def __init__(self, ctl, pick=None) -> None:  # type: ignore[no-untyped-def]
-        self.ctl = ctl
-        self.backend = ctl.l3.backend
-        self.original = self.backend._write_from
-        self.real = self.original  # (what a held call goes on to: a test may wrap it)
-        self.gate = threading.Event()
-        self.reached = threading.Event()
-        self.pick = pick or (lambda keys: True)
-        self.calls: list[list[str]] = []
-        self.lock = threading.Lock()
-
-        def held(keys, buffers):  # type: ignore[no-untyped-def]
-            with self.lock:
-                self.calls.append(list(keys))
-            if self.pick(keys):
-                self.reached.set()
-                assert self.gate.wait(10), "write gate never opened"
-            return self.real(keys, buffers)
-
-        self.backend._write_from = held
-
-    def put_keys(self) -> list[str]:
-        with self.lock:
-            return [k for call in self.calls for k in call]
-
-    def wait_reached(self) -> None:
-        assert self.reached.wait(10), "no L3 write reached the backend"
-
-    def open(self) -> None:
-        self.gate.set()
-
-    def restore(self) -> None:
-        self.gate.set()
-        self.backend._write_from = self.original
-
-
-def wait_for(cond, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with_mu = cond()
-        if with_mu:
-            return
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.005)
-
-
-def resident(ctl, node, kind: ComponentKind, tier: Tier) -> bool:  # type: ignore[no-untyped-def]
-    with ctl._mu:
-        return ctl.tree.is_resident(node, kind, tier)
-
-
-def in_l3(ctl, eng: Engine, tokens: bytes, kind: ComponentKind, lo: int, hi: int) -> int:  # type: ignore[no-untyped-def]
-    """How many of pages [lo, hi) of `tokens` have every object of `kind`'s family in
-    the backend."""
-    family = ctl.cfg.model.family(kind)
-    hashes = eng.hashes(tokens)[lo:hi]
-    n = 0
-    for h in hashes:
-        keys = ctl.l3.keys("", [h], family)
-        n += ctl.l3.backend.exists_prefix(keys) == len(keys)
-    return n
-
-
-def quiet_and_unwritten(ctl) -> list[tuple[int, list[ComponentKind]]]:  # type: ignore[no-untyped-def]
-    """(depth in pages, kinds) of every node with slots an L3 write would still add."""
-    with ctl._mu:
-        out = []
-        for node in ctl.tree.iter_nodes():
-            kinds = ctl.tree.slots_for_storage(node)
-            if kinds:
-                out.append((ctl.tree.depth_tokens(node) // 4, kinds))
-        return out
-
-
-def storage_tokens(ctl, tokens: bytes) -> int:  # type: ignore[no-untyped-def]
-    return ctl.match("e1", MatchRequest("", tokens)).storage_tokens
 
 
 def insert_tail(ctl, eng: Engine, tokens: bytes, tail: int):  # type: ignore[no-untyped-def]

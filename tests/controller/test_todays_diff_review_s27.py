@@ -10,13 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from engine_sim import Engine, evict_all, seq, tree_path
+from l3_kit import Held, in_l3, quiet_and_unwritten, storage_tokens, wait_for
 
 from hicache.config import FileStorageConfig
 from hicache.controller.base import MatchRequest
@@ -198,74 +198,8 @@ def test_two_puts_waiting_on_one_keys_eviction_reserve_its_room_once(
 # ====================================================================== controller kit
 
 
-class Held:
-    """Holds the backend's `_write_from` calls whose keys match `pick` (all by default)
-    until `open()`; records every key each call was given (held or not)."""
-
-    def __init__(self, ctl, pick=None) -> None:  # type: ignore[no-untyped-def]
-        self.backend = ctl.l3.backend
-        self.original = self.backend._write_from
-        self.real = self.original
-        self.gate = threading.Event()
-        self.reached = threading.Event()
-        self.pick = pick or (lambda keys: True)
-        self.calls: list[list[str]] = []
-        self.lock = threading.Lock()
-
-        def held(keys, buffers):  # type: ignore[no-untyped-def]
-            with self.lock:
-                self.calls.append(list(keys))
-            if self.pick(keys):
-                self.reached.set()
-                assert self.gate.wait(WAIT), "write gate never opened"
-            return self.real(keys, buffers)
-
-        self.backend._write_from = held
-
-    def put_keys(self) -> list[str]:
-        with self.lock:
-            return [k for call in self.calls for k in call]
-
-    def wait_reached(self) -> None:
-        assert self.reached.wait(WAIT), "no L3 write reached the backend"
-
-    def open(self) -> None:
-        self.gate.set()
-
-    def restore(self) -> None:
-        self.gate.set()
-        self.backend._write_from = self.original
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.005)
-
-
 def family_keys(ctl, eng: Engine, tokens: bytes, kind: ComponentKind, lo: int, hi: int) -> list[str]:  # type: ignore[no-untyped-def]
     return ctl.l3.keys("", eng.hashes(tokens)[lo:hi], ctl.cfg.model.family(kind))
-
-
-def in_l3(ctl, eng: Engine, tokens: bytes, kind: ComponentKind, lo: int, hi: int) -> int:  # type: ignore[no-untyped-def]
-    """How many of pages [lo, hi) of `tokens` have every object of `kind`'s family in L3."""
-    family = ctl.cfg.model.family(kind)
-    n = 0
-    for h in eng.hashes(tokens)[lo:hi]:
-        ks = ctl.l3.keys("", [h], family)
-        n += ctl.l3.backend.exists_prefix(ks) == len(ks)
-    return n
-
-
-def quiet_and_unwritten(ctl) -> list[tuple[int, list[ComponentKind]]]:  # type: ignore[no-untyped-def]
-    with ctl._mu:
-        out = []
-        for node in ctl.tree.iter_nodes():
-            kinds = ctl.tree.slots_for_storage(node)
-            if kinds:
-                out.append((ctl.tree.depth_tokens(node) // 4, kinds))
-        return out
 
 
 def recorded_but_absent(ctl, eng: Engine, tokens: bytes) -> list[tuple[int, ComponentKind]]:  # type: ignore[no-untyped-def]
@@ -284,10 +218,6 @@ def recorded_but_absent(ctl, eng: Engine, tokens: bytes) -> list[tuple[int, Comp
                 if in_l3(ctl, eng, tokens, kind, i, i + 1) != 1:
                     out.append((i, kind))
     return out
-
-
-def storage_tokens(ctl, tokens: bytes) -> int:  # type: ignore[no-untyped-def]
-    return ctl.match("e1", MatchRequest("", tokens)).storage_tokens
 
 
 def write_through(make, **kw):  # type: ignore[no-untyped-def]
