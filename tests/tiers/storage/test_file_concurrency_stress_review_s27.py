@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from file_kit import disk_bytes, gate_call, in_thread
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
@@ -331,6 +332,16 @@ def test_random_concurrent_traffic_fails_no_put_and_leaves_nothing_under_way(
         assert backend.close(wait_s=JOIN_BOUND_S)
 
 
+def _gate(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *, after: bool,
+          when: Callable[..., bool] = lambda *args: True
+          ) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """`gate_call`, live once `armed` is set. Returns (armed, reached, go)."""
+    armed = threading.Event()
+    reached, go = gate_call(monkeypatch, owner, name, lambda *args: armed.is_set() and when(*args),
+                            after=after)
+    return armed, reached, go
+
+
 # Found by the review, fixed: BUG (fails in some runs, not all: a race): the index records
 # uses and forgets objects after the file operation, outside the lock (file.py l.560, l.618,
 # l.634-635, l.528-531): phantoms and untracked files survive to the end of a phase; the
@@ -378,49 +389,6 @@ def test_gets_racing_puts_evictions_and_deletes_never_return_wrong_bytes(
 # untracked file: never evicted, the disk grows past the capacity).
 
 
-def _gate(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *, after: bool,
-          when: Callable[..., bool] = lambda *args: True
-          ) -> tuple[threading.Event, threading.Event, threading.Event]:
-    """Wrap `owner.name`: once `armed` is set, the first call for which `when(*args)`
-    holds sets `reached` and waits for `go` (before the real call, or `after` it)."""
-    real = getattr(owner, name)
-    armed, reached, go = threading.Event(), threading.Event(), threading.Event()
-    lock = threading.Lock()
-
-    def wrapper(*args: object, **kwargs: object) -> object:
-        with lock:
-            hit = armed.is_set() and not reached.is_set() and when(*args)
-        if hit and not after:
-            reached.set()
-            assert go.wait(10.0)
-        out = real(*args, **kwargs)
-        if hit and after:
-            reached.set()
-            assert go.wait(10.0)
-        return out
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return armed, reached, go
-
-
-def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # (reported by the test)
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
-def _disk_bytes(root: Path) -> int:
-    return sum(_disk(root)[0].values())
-
-
 # Found by the review, fixed: file.py _read_sync l.560 records a hit via _touch after the
 # read, outside the lock; an eviction whose unlink completed meanwhile (so _evicting no longer
 # holds it) is undone: the index keeps an object no disk holds and evicts a good one for its
@@ -437,14 +405,14 @@ def test_a_read_that_outlives_its_objects_eviction_does_not_record_it_again(
         assert backend.put_from([a, b], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
         armed, reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
         armed.set()
-        reader, got = _in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
+        reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)  # a's bytes are read, its use not recorded yet
         assert backend.put_from([c], Pool(1, seed=3).slots()) == [PutStatus.STORED]
         assert not os.path.exists(backend.path_of(a))  # evicted: unlinked, the eviction over
         go.set()
         reader.join(10.0)
         assert got == [[GetStatus.HIT]]  # (its bytes were read whole: a hit is right)
-        assert backend.used_bytes == _disk_bytes(tmp_path), "the index counts an object no disk holds"
+        assert backend.used_bytes == disk_bytes(tmp_path), "the index counts an object no disk holds"
         assert [backend.exists_prefix([k]) for k in (a, b, c)] == [0, 1, 1], \
             "b was evicted for the room of a, which is gone"
     finally:
@@ -464,13 +432,13 @@ def test_a_read_that_outlives_a_delete_of_its_object_does_not_record_it_again(
         assert backend.put_from([a, b], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
         armed, reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
         armed.set()
-        reader, got = _in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
+        reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)
         assert backend.delete([a]) == 1
         go.set()
         reader.join(10.0)
         assert got == [[GetStatus.HIT]]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == OBJECT, \
+        assert backend.used_bytes == disk_bytes(tmp_path) == OBJECT, \
             "the index counts the deleted object"
     finally:
         go.set()
@@ -489,7 +457,7 @@ def test_a_put_found_present_as_a_delete_removes_it_does_not_index_it(
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
         armed, reached, go = _gate(monkeypatch, file_backend, "_holds_whole", after=True)
         armed.set()
-        putter, got = _in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
+        putter, got = in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
         assert reached.wait(10.0)  # the put found a whole, not recorded yet
         assert backend.delete([a]) == 1
         go.set()
@@ -498,7 +466,7 @@ def test_a_put_found_present_as_a_delete_removes_it_does_not_index_it(
         # then put (the put looks again and writes it anew): the index counts the disk.
         assert got in ([[PutStatus.PRESENT]], [[PutStatus.STORED]])
         left = 0 if got == [[PutStatus.PRESENT]] else OBJECT
-        assert backend.used_bytes == _disk_bytes(tmp_path) == left, \
+        assert backend.used_bytes == disk_bytes(tmp_path) == left, \
             "the index counts the deleted object"
     finally:
         go.set()
@@ -518,14 +486,14 @@ def test_a_write_recorded_after_a_delete_removed_its_file_does_not_index_it(
         armed, reached, go = _gate(monkeypatch, os, "replace", after=True,
                                    when=lambda src, dst: dst == backend.path_of(a))
         armed.set()
-        putter, got = _in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
+        putter, got = in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
         assert reached.wait(10.0)  # renamed into place, not recorded yet
         assert backend.delete([a]) == 1
         go.set()
         putter.join(10.0)
         assert got == [[PutStatus.STORED]]
         assert backend._writing == {} and backend._reserved == 0
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 0, \
+        assert backend.used_bytes == disk_bytes(tmp_path) == 0, \
             "the index counts the deleted object"
     finally:
         go.set()
@@ -547,15 +515,15 @@ def test_a_miss_forgotten_after_a_put_recorded_the_key_does_not_untrack_its_file
     try:
         armed, reached, go = _gate(monkeypatch, backend, "_forget", after=False)
         armed.set()
-        reader, got = _in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
+        reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)  # the read found no file of a, not forgotten yet
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
         go.set()
         reader.join(10.0)
         assert got == [[GetStatus.MISS]]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == OBJECT, "a's file is not indexed"
+        assert backend.used_bytes == disk_bytes(tmp_path) == OBJECT, "a's file is not indexed"
         assert backend.put_from([b, c], Pool(2, seed=2).slots()) == [PutStatus.STORED] * 2
-        assert _disk_bytes(tmp_path) <= backend.capacity_bytes, "the disk holds more than the capacity"
+        assert disk_bytes(tmp_path) <= backend.capacity_bytes, "the disk holds more than the capacity"
     finally:
         go.set()
         backend.close()

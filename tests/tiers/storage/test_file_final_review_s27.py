@@ -8,17 +8,16 @@ the comment above each of their tests names what was wrong.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import test_file_concurrency_stress_review_s27 as stress
+from file_kit import disk_bytes, disk_objects, gate_call, in_thread
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
@@ -38,68 +37,12 @@ def _backend(root: Path, capacity_objects: int | None, timeout_s: float = 10.0) 
     return backend
 
 
-def _disk(root: Path) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for folder, _, names in os.walk(root):
-        for name in names:
-            if name.endswith(".kv"):
-                with contextlib.suppress(FileNotFoundError):
-                    out[name[: -len(".kv")]] = os.path.getsize(os.path.join(folder, name))
-    return out
-
-
-def _disk_bytes(root: Path) -> int:
-    return sum(_disk(root).values())
-
-
-def _gate(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *, after: bool,
-          when: Callable[..., bool] = lambda *args: True
-          ) -> tuple[threading.Event, threading.Event]:
-    """Wrap `owner.name`: the first call for which `when(*args)` holds sets `reached`
-    and waits for `go` (before the real call, or `after` it). Returns (reached, go)."""
-    real = getattr(owner, name)
-    reached, go = threading.Event(), threading.Event()
-    lock = threading.Lock()
-    claimed: list[bool] = []
-
-    def wrapper(*args: object, **kwargs: object) -> object:
-        with lock:
-            hit = not claimed and when(*args)
-            if hit:
-                claimed.append(True)
-        if hit and not after:
-            reached.set()
-            assert go.wait(WAIT)
-        out = real(*args, **kwargs)
-        if hit and after:
-            reached.set()
-            assert go.wait(WAIT)
-        return out
-
-    monkeypatch.setattr(owner, name, wrapper)
-    return reached, go
-
-
-def _in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # (reported by the test)
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def _consistent(backend: FileBackend, root: Path) -> str:
     """'' when the index agrees with the disk, else what differs."""
     with backend._lock:
         lru, used = dict(backend._lru), backend._used
         writing, reserved, evicting = dict(backend._writing), backend._reserved, set(backend._evicting)
-    disk = _disk(root)
+    disk = disk_objects(root)
     bad = []
     if used != sum(disk.values()):
         bad.append(f"used_bytes {used} != {sum(disk.values())} bytes on disk")
@@ -125,10 +68,10 @@ def test_a_read_during_a_write_does_not_count_the_object_twice(
     hits. A put of b then needs room for 2 objects (k and b): nothing is to be evicted."""
     backend = _backend(tmp_path, 2)
     k, b = keys(2, "doublecount")
-    reached, go = _gate(monkeypatch, os, "replace", after=True,
+    reached, go = gate_call(monkeypatch, os, "replace", after=True,
                         when=lambda src, dst: dst == backend.path_of(k))
     try:
-        writer, wrote = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        writer, wrote = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         assert reached.wait(WAIT)  # k's file is in place; its write not recorded yet
         assert backend.get_into([k], Pool(1, seed=None).slots()) == [GetStatus.HIT]
         assert backend.put_from([b], Pool(1, seed=2).slots()) == [PutStatus.STORED]
@@ -151,15 +94,15 @@ def test_an_eviction_of_a_write_under_way_leaves_no_phantom(
 ) -> None:
     backend = _backend(tmp_path, 2)
     k, b = keys(2, "phantomwrite")
-    rep_reached, rep_go = _gate(monkeypatch, os, "replace", after=True,
+    rep_reached, rep_go = gate_call(monkeypatch, os, "replace", after=True,
                                 when=lambda src, dst: dst == backend.path_of(k))
-    unl_reached, unl_go = _gate(monkeypatch, os, "unlink", after=False,
+    unl_reached, unl_go = gate_call(monkeypatch, os, "unlink", after=False,
                                 when=lambda path, *a: path == backend.path_of(k))
     try:
-        writer, wrote = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        writer, wrote = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         assert rep_reached.wait(WAIT)
         assert backend.get_into([k], Pool(1, seed=None).slots()) == [GetStatus.HIT]
-        putter, put = _in_thread(lambda: backend.put_from([b], Pool(1, seed=2).slots()))
+        putter, put = in_thread(lambda: backend.put_from([b], Pool(1, seed=2).slots()))
         # The put of b either goes through (k not evicted: right) or is about to unlink k.
         while putter.is_alive() and not unl_reached.wait(0.01):
             pass
@@ -238,10 +181,10 @@ def test_a_read_that_outlives_the_stores_removal_does_not_index_its_object(
     root = tmp_path / "store"
     backend = _backend(root, 4)
     (a,) = keys(1, "rootgone")
-    reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
+    reached, go = gate_call(monkeypatch, file_backend, "_read_object", after=True)
     try:
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
-        reader, got = _in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
+        reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(WAIT)  # a's bytes read, its use not recorded yet
         shutil.rmtree(root)
         assert backend.health().healthy
@@ -249,7 +192,7 @@ def test_a_read_that_outlives_the_stores_removal_does_not_index_its_object(
         go.set()
         reader.join(WAIT)
         assert got == [[GetStatus.HIT]]
-        assert backend.used_bytes == _disk_bytes(root) == 0, "the index counts an object no disk holds"
+        assert backend.used_bytes == disk_bytes(root) == 0, "the index counts an object no disk holds"
     finally:
         go.set()
         backend.close()
@@ -262,11 +205,11 @@ def test_a_read_that_outlives_its_folders_removal_does_not_index_its_object(
 ) -> None:
     backend = _backend(tmp_path, 4)
     (a,) = keys(1, "foldergone")
-    reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
+    reached, go = gate_call(monkeypatch, file_backend, "_read_object", after=True)
     try:
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
         assert backend.health().healthy  # (the probe learns a's folder)
-        reader, got = _in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
+        reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(WAIT)
         shutil.rmtree(os.path.dirname(os.path.dirname(backend.path_of(a))))
         assert backend.health().healthy
@@ -274,7 +217,7 @@ def test_a_read_that_outlives_its_folders_removal_does_not_index_its_object(
         go.set()
         reader.join(WAIT)
         assert got == [[GetStatus.HIT]]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 0, "the index counts an object no disk holds"
+        assert backend.used_bytes == disk_bytes(tmp_path) == 0, "the index counts an object no disk holds"
     finally:
         go.set()
         backend.close()
@@ -311,7 +254,7 @@ def test_a_walk_racing_the_stores_removal_does_not_bring_its_objects_back(
         assert backend.health().healthy and backend.resets == 1
         finish.set()
         assert backend.wait_indexed(WAIT)
-        assert backend.used_bytes == _disk_bytes(root) == 0, "the walk brought back removed objects"
+        assert backend.used_bytes == disk_bytes(root) == 0, "the walk brought back removed objects"
     finally:
         finish.set()
         backend.close()
@@ -329,14 +272,14 @@ def test_close_is_bounded_while_a_call_hangs_holding_the_lock(
     backend = _backend(tmp_path, 4, timeout_s=0.5)
     (a,) = keys(1, "hungclose")
     assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
-    reached, go = _gate(monkeypatch, os, "unlink", after=False,
+    reached, go = gate_call(monkeypatch, os, "unlink", after=False,
                         when=lambda path, *args: path == backend.path_of(a))
     closer = None
     try:
-        deleter, _ = _in_thread(lambda: backend.delete([a]))  # hangs in unlink, under the lock
+        deleter, _ = in_thread(lambda: backend.delete([a]))  # hangs in unlink, under the lock
         assert reached.wait(WAIT)
         deleter.join(WAIT)  # its caller gave up after storage.timeout_s
-        closer, closed = _in_thread(lambda: backend.close(wait_s=0.2))
+        closer, closed = in_thread(lambda: backend.close(wait_s=0.2))
         closer.join(3.0)
         assert not closer.is_alive(), "close(wait_s=0.2) still blocked after 3 s"
         assert closed == [False]  # (a call still runs)
@@ -357,10 +300,10 @@ def test_the_unbounded_store_answers_present_without_waiting_for_a_write_under_w
     another write not yet recorded answers PRESENT at once, and both are counted once."""
     backend = _backend(tmp_path, None)
     (k,) = keys(1, "unbounded")
-    reached, go = _gate(monkeypatch, os, "replace", after=True,
+    reached, go = gate_call(monkeypatch, os, "replace", after=True,
                         when=lambda src, dst: dst == backend.path_of(k))
     try:
-        writer, wrote = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        writer, wrote = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         assert reached.wait(WAIT)
         t0 = time.monotonic()
         assert backend.put_from([k], Pool(1, seed=1).slots()) == [PutStatus.PRESENT]
@@ -369,7 +312,7 @@ def test_the_unbounded_store_answers_present_without_waiting_for_a_write_under_w
         go.set()
         writer.join(WAIT)
         assert wrote == [[PutStatus.STORED]]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == OBJECT
     finally:
         go.set()
         backend.close()
@@ -380,12 +323,12 @@ def test_a_second_put_waits_for_the_write_under_way_and_answers_present(
 ) -> None:
     backend = _backend(tmp_path, 4)
     (k,) = keys(1, "waitwrite")
-    reached, go = _gate(monkeypatch, os, "replace", after=False,
+    reached, go = gate_call(monkeypatch, os, "replace", after=False,
                         when=lambda src, dst: dst == backend.path_of(k))
     try:
-        writer, wrote = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        writer, wrote = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         assert reached.wait(WAIT)  # reserved, about to rename
-        second, got = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        second, got = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         second.join(0.3)
         assert second.is_alive(), "the second put did not wait for the first"
         go.set()
@@ -403,10 +346,10 @@ def test_a_miss_during_a_write_does_not_forget_the_written_object(
 ) -> None:
     backend = _backend(tmp_path, 4)
     (k,) = keys(1, "misswrite")
-    reached, go = _gate(monkeypatch, os, "replace", after=False,
+    reached, go = gate_call(monkeypatch, os, "replace", after=False,
                         when=lambda src, dst: dst == backend.path_of(k))
     try:
-        writer, wrote = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        writer, wrote = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         assert reached.wait(WAIT)
         assert backend.get_into([k], Pool(1, seed=None).slots()) == [GetStatus.MISS]
         go.set()
@@ -443,11 +386,11 @@ def test_a_put_waits_for_its_objects_eviction_then_writes_it_anew(
     k, b = keys(2, "rounds")
     try:
         assert backend.put_from([k], Pool(1, seed=1).slots()) == [PutStatus.STORED]
-        unl_reached, unl_go = _gate(monkeypatch, os, "unlink", after=True,
+        unl_reached, unl_go = gate_call(monkeypatch, os, "unlink", after=True,
                                     when=lambda path, *a: path == backend.path_of(k))
-        evicter, ev = _in_thread(lambda: backend.put_from([b], Pool(1, seed=2).slots()))
+        evicter, ev = in_thread(lambda: backend.put_from([b], Pool(1, seed=2).slots()))
         assert unl_reached.wait(WAIT)  # k unlinked, its eviction not over
-        putter, got = _in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
+        putter, got = in_thread(lambda: backend.put_from([k], Pool(1, seed=1).slots()))
         putter.join(0.3)
         assert putter.is_alive()
         unl_go.set()

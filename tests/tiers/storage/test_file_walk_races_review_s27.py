@@ -14,11 +14,12 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from file_kit import disk_bytes, disk_objects, gate_call
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
@@ -37,15 +38,6 @@ def _backend(path: Path, capacity_objects: int | None = None) -> FileBackend:
     backend = FileBackend(FileStorageConfig(path=str(path), capacity_gb=cap), timeout_s=5.0)
     backend.start()
     return backend
-
-
-def _objects(root: Path) -> dict[str, int]:
-    return {name: os.path.getsize(os.path.join(folder, name))
-            for folder, _, names in os.walk(root) for name in names if name.endswith(".kv")}
-
-
-def _disk_bytes(root: Path) -> int:
-    return sum(_objects(root).values())
 
 
 def _present(backend: FileBackend, ks: list[str]) -> list[int]:
@@ -100,29 +92,6 @@ class WalkGate:
         self.finish.set()
 
 
-def _gate_in_thread(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
-                    when: Callable[..., bool], *, after: bool = False
-                    ) -> tuple[threading.Event, threading.Event]:
-    """Wrap `module.name` so that a call for which `when(*args)` holds signals `reached`
-    and waits for `go` (before the real call, or `after` it)."""
-    real = getattr(module, name)
-    reached, go = threading.Event(), threading.Event()
-
-    def wrapper(*args: object, **kwargs: object) -> object:
-        hit = not reached.is_set() and when(*args)
-        if hit and not after:
-            reached.set()
-            assert go.wait(WAIT)
-        out = real(*args, **kwargs)
-        if hit and after:
-            reached.set()
-            assert go.wait(WAIT)
-        return out
-
-    monkeypatch.setattr(module, name, wrapper)
-    return reached, go
-
-
 # ============================================================= counting during the walk
 
 
@@ -148,8 +117,8 @@ def test_puts_gets_and_presents_during_the_walk_are_counted_once(
         assert backend.exists_prefix(old + early + late) == 10
         gate.finish.set()
         assert backend.wait_indexed(WAIT)
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 10 * OBJECT
-        assert len(backend._lru) == len(_objects(tmp_path)) == 10
+        assert backend.used_bytes == disk_bytes(tmp_path) == 10 * OBJECT
+        assert len(backend._lru) == len(disk_objects(tmp_path)) == 10
         dst = Pool(6, seed=None)
         assert backend.get_into(early + late, dst.slots()) == [GetStatus.HIT] * 6
         assert np.array_equal(dst.payload(0), Pool(3, seed=2).payload(0))
@@ -176,16 +145,16 @@ def test_a_store_filled_past_capacity_during_the_walk_is_brought_back_to_it_lru_
         assert backend.put_from(old[1:2], Pool(1, seed=1).slots([0])) == [PutStatus.PRESENT]
         new = keys(3, "new")
         assert backend.put_from(new, Pool(3, seed=4).slots()) == [PutStatus.STORED] * 3
-        assert len(_objects(tmp_path)) == 7  # (past the capacity while the walk runs)
+        assert len(disk_objects(tmp_path)) == 7  # (past the capacity while the walk runs)
         gate.finish.set()
         assert backend.wait_indexed(WAIT)
         # 7 objects, room for 5: old[2] and old[3] (untouched) go, old[0] and old[1] stay.
         assert _present(backend, old + new) == [1, 1, 0, 0, 1, 1, 1]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 5 * OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == 5 * OBJECT
         # Then the order is the use order: old[0], old[1], new...
         assert backend.put_from(keys(1, "next"), Pool(1, seed=5).slots()) == [PutStatus.STORED]
         assert _present(backend, old[:2]) == [0, 1]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 5 * OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == 5 * OBJECT
     finally:
         gate.release()
         backend.close()
@@ -212,7 +181,7 @@ def test_an_object_evicted_during_the_walk_does_not_stay_counted(
         gate.finish.set()
         assert backend.wait_indexed(WAIT)
         assert _present(backend, old + new) == [0, 0, 0, 1, 1, 1]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 3 * OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == 3 * OBJECT
         assert len(backend._lru) == 3
     finally:
         gate.release()
@@ -238,7 +207,7 @@ def test_an_object_deleted_during_the_walk_is_not_counted_again(
         assert backend.put_from([c, d], Pool(2, seed=6).slots()) == [PutStatus.STORED] * 2
         # Three objects (a, c, d) in a store with room for three: none had to go.
         assert _present(backend, [a, c, d]) == [1, 1, 1]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 3 * OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == 3 * OBJECT
     finally:
         gate.release()
         backend.close()
@@ -265,7 +234,7 @@ def test_a_canary_the_walk_saw_does_not_make_the_next_probe_report_a_reset(
         monkeypatch.setattr(backend, "_read_into", read_into)
         health = backend.health(deep=True)
         assert health.healthy, health.detail
-        assert not _objects(tmp_path)  # (the canary and its folders are gone)
+        assert not disk_objects(tmp_path)  # (the canary and its folders are gone)
         gate.finish.set()
         assert backend.wait_indexed(WAIT)
         assert backend.health().healthy
@@ -286,7 +255,7 @@ def test_a_write_landing_as_the_walk_merges_is_not_counted_twice(
     gate = WalkGate(monkeypatch, tmp_path, before=True, after=False)
     backend = _backend(tmp_path, capacity_objects=3)
     (w,) = keys(1, "w")
-    renamed, go_on = _gate_in_thread(
+    renamed, go_on = gate_call(
         monkeypatch, os, "replace",
         lambda src, dst: threading.current_thread().name != INDEXER
         and dst == backend.path_of(w), after=True)
@@ -304,7 +273,7 @@ def test_a_write_landing_as_the_walk_merges_is_not_counted_twice(
         assert out == [[PutStatus.STORED]]
         # Three objects in room for three: a, b and w all stay.
         assert _present(backend, [a, b, w]) == [1, 1, 1]
-        assert backend.used_bytes == _disk_bytes(tmp_path) == 3 * OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == 3 * OBJECT
     finally:
         gate.release()
         go_on.set()
@@ -325,7 +294,7 @@ def test_a_put_answered_present_during_the_merges_eviction_leaves_the_object_rea
     _seed(tmp_path, old)
     monkeypatch.setattr(file_backend, "INDEX_WAIT_S", 0.0)
     victim_path: list[str] = []
-    reached, go = _gate_in_thread(
+    reached, go = gate_call(
         monkeypatch, os, "unlink",
         lambda path: threading.current_thread().name == INDEXER and [path] == victim_path)
     probe = FileBackend(FileStorageConfig(path=str(tmp_path)), 1.0)  # (names only)
@@ -344,7 +313,7 @@ def test_a_put_answered_present_during_the_merges_eviction_leaves_the_object_rea
         assert backend.wait_indexed(WAIT)
         assert out == [[PutStatus.STORED]]
         assert backend.get_into(old[:1], Pool(1, seed=None).slots()) == [GetStatus.HIT]
-        assert backend.used_bytes == _disk_bytes(tmp_path)
+        assert backend.used_bytes == disk_bytes(tmp_path)
     finally:
         go.set()
         if putter.is_alive():
@@ -365,7 +334,7 @@ def test_the_walk_keeps_a_live_writers_temp_file_and_removes_a_dead_ones(
     backend = _backend(tmp_path, capacity_objects=10)
     (w,) = keys(1, "w")
     path = backend.path_of(w)
-    reached, go_on = _gate_in_thread(
+    reached, go_on = gate_call(
         monkeypatch, os, "replace",
         lambda src, dst: threading.current_thread().name != INDEXER and dst == path)
     out: list[object] = []
@@ -389,7 +358,7 @@ def test_the_walk_keeps_a_live_writers_temp_file_and_removes_a_dead_ones(
         dst = Pool(1, seed=None)
         assert backend.get_into([w], dst.slots()) == [GetStatus.HIT]
         assert np.array_equal(dst.payload(0), Pool(1, seed=8).payload(0))
-        assert backend.used_bytes == _disk_bytes(tmp_path) == OBJECT
+        assert backend.used_bytes == disk_bytes(tmp_path) == OBJECT
         assert not [n for _, _, ns in os.walk(tmp_path) for n in ns if n.endswith(".tmp")]
     finally:
         gate.release()
@@ -466,7 +435,7 @@ def test_close_during_a_long_walk_stops_it_and_a_new_backend_indexes_the_store(
     first._indexer.join(2.0)
     assert not first._indexer.is_alive()  # (stopped at its next folder)
     assert not first._lru and first.used_bytes == 0  # (no merge after the close)
-    assert len(_objects(tmp_path)) == n  # (and nothing removed)
+    assert len(disk_objects(tmp_path)) == n  # (and nothing removed)
 
     second = _backend(tmp_path, capacity_objects=n)
     try:
@@ -496,7 +465,7 @@ def test_a_closed_backends_walk_removes_nothing_after_close(
         gate.finish.set()  # the closed backend's walk goes on to its merge
         assert first.wait_indexed(WAIT)
         assert _present(second, old) == [1, 1, 1]
-        assert second.used_bytes == _disk_bytes(tmp_path) == 3 * OBJECT
+        assert second.used_bytes == disk_bytes(tmp_path) == 3 * OBJECT
     finally:
         gate.release()
         second.close()
