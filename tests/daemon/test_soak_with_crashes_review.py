@@ -134,6 +134,7 @@ def engine_main(target: str, seed: int, out: str) -> int:
         Unavailable,
     )
 
+    Path(out).with_suffix(".ready").touch()  # (imported: the supervisor may start the clock)
     line = sys.stdin.readline().split()
     if not line:
         return 0
@@ -389,10 +390,17 @@ class Soak:
 
     def run(self) -> None:
         self.daemon.start()
-        self.standby: list[dict[str, Any]] = []
+        # Every engine process imports torch first: on a loaded machine that can take longer
+        # than the soak. The clock starts once the first engines are ready to attach, so the
+        # soak's seconds are spent on requests whatever the machine's load.
+        self.standby: list[dict[str, Any]] = [self._spawn() for _ in range(self.engines + 2)]
+        ready_by = time.monotonic() + 120
+        while (time.monotonic() < ready_by
+               and not all(r["out"].with_suffix(".ready").exists()
+                           for r in self.standby[: self.engines])):
+            time.sleep(0.1)
         deadline = time.time() + self.seconds
         live = [self.start_engine(f"engine-{i}", deadline) for i in range(self.engines)]
-        self.standby += [self._spawn(), self._spawn()]  # (the older one is used first)
         fresh = self.engines
         while True:
             pause = self.rng.uniform(0.5, 1.5) * float(

@@ -258,11 +258,19 @@ def test_sigusr1_dumps_the_stacks_of_a_daemon_stuck_in_its_start(
     d.start(wait=False)
     assert d.proc is not None
     pid = d.proc.pid
-    # (SIGHUP is caught just before the file is read: from then on it is stuck)
-    assert eventually(lambda: _catches(pid, signal.SIGHUP), timeout_s=30)
-    time.sleep(0.5)
-    os.kill(pid, signal.SIGUSR1)
-    dumped = eventually(lambda: "thread 0x" in d.log() and "in load_config" in d.log(), timeout_s=5)
+    # (SIGUSR1 is caught from before the server's imports; the start then imports them and
+    # blocks reading the file: a loaded machine may take seconds to get there, so the dump
+    # is asked for again until one shows it stuck there)
+    assert eventually(lambda: _catches(pid, signal.SIGUSR1), timeout_s=30)
+
+    def dumped_in_load_config() -> bool:
+        if d.proc is None or d.proc.poll() is not None:
+            return True  # (dead: told below)
+        os.kill(pid, signal.SIGUSR1)
+        return eventually(lambda: "thread 0x" in d.log() and "in load_config" in d.log(),
+                          timeout_s=1)
+
+    dumped = eventually(dumped_in_load_config, timeout_s=60)
     alive = d.proc.poll() is None
     log = d.log()
     d.proc.kill()
