@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,3 +35,13 @@ def oracle(member: str, page: int, layer: int, width: int, salt: int = 0) -> np.
     """The bytes a test engine writes: a deterministic function of (member, page, layer)."""
     seed = zlib.crc32(f"{member}/{page}/{layer}/{salt}".encode())
     return np.random.default_rng(seed).integers(0, 256, width, dtype=np.uint8)
+
+
+def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether `check()` comes true within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
