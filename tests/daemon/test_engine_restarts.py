@@ -95,7 +95,8 @@ def test_handles_from_before_a_daemon_restart_name_nothing_after_it(make_daemon:
 def attached_through_a_cut_proxy(make_daemon: MakeDaemon) -> Iterator[tuple[FaultProxy, Client]]:
     """A daemon on TCP, a `FaultProxy` in front of it, a client attached through it."""
     port = free_port()
-    make_daemon(listen=f"127.0.0.1:{port}")
+    # (a lease of 10 min: no background heartbeat goes through the proxy to take its cut)
+    make_daemon("server.lease_ms=600000", listen=f"127.0.0.1:{port}")
     proxy = FaultProxy(port)
     try:
         with make_client(proxy.port) as c:
@@ -159,7 +160,8 @@ def make_client(port: int) -> Client:
 
 
 def test_the_client_says_when_the_daemon_forgot_it_and_attaches_again(make_daemon: MakeDaemon) -> None:
-    d = make_daemon("server.lease_ms=600")
+    # (a heartbeat every lease / 3: a lease of 2 s outlasts a loaded machine's stalls)
+    d = make_daemon("server.lease_ms=2000")
     seen: list[Exception] = []
     called = threading.Event()
 
@@ -173,16 +175,16 @@ def test_the_client_says_when_the_daemon_forgot_it_and_attaches_again(make_daemo
         d.start()
         assert called.wait(10)
         assert isinstance(c.detached, FailedPrecondition) and "not attached" in str(c.detached)
-        time.sleep(0.5)  # heartbeats stopped: one report, not one per beat
+        time.sleep(1.5)  # heartbeats stopped: one report, not one per beat (~2 beats)
         assert len(seen) == 1
         c.attach(map_pools=False)
         assert c.detached is None
-        time.sleep(0.8)  # past the lease: the restarted heartbeat keeps the engine
-        assert c.heartbeat().lease_ms == 600
+        time.sleep(2.6)  # past the lease: the restarted heartbeat keeps the engine
+        assert c.heartbeat().lease_ms == 2000
 
 
 def test_attaching_again_from_on_detached_keeps_the_engine_alive(make_daemon: MakeDaemon) -> None:
-    d = make_daemon("server.lease_ms=600")
+    d = make_daemon("server.lease_ms=2000")
     reattached = threading.Event()
     with d.client(engine_id="engine-0") as c:
         def on_detached(_e: Exception) -> None:  # runs on the heartbeat thread
@@ -195,7 +197,7 @@ def test_attaching_again_from_on_detached_keeps_the_engine_alive(make_daemon: Ma
         d.start()
         assert reattached.wait(10) and c.detached is None
         m = c.match(tokens(2 * PAGE, start=2500), lock=True, allocate_tokens=2 * PAGE)
-        time.sleep(1.5)  # 2.5 leases: only a live heartbeat keeps the handles
+        time.sleep(5.0)  # 2.5 leases: only a live heartbeat keeps the handles
         c.insert(tokens(2 * PAGE, start=2500), lock_id=m.lock_id, allocation_id=m.allocation_id)
 
 

@@ -1157,6 +1157,10 @@ def test_handles_a_lock_block_could_not_release_are_released_once_the_daemon_is_
             except Unavailable:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
+            except NotFound:
+                # (a loaded machine stalled this process past the 1.5 s lease: the lapse
+                # freed the handles; attached again, the engine holds nothing either)
+                c.attach(map_pools=False)
         assert (held.locks, held.allocations) == (0, 0)
 
 

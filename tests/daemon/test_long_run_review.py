@@ -216,10 +216,10 @@ def test_idle_reflection_streams_do_not_stall_the_daemon(make_daemon) -> None:  
     try:
         time.sleep(1.0)  # (the streams reach the server)
         try:
-            took = _health(d.target, 3.0)
+            # (a stalled daemon answers only once the streams end, after 30 s)
+            _health(d.target, 15.0)
         except grpc.RpcError as e:
             pytest.fail(f"health Check failed with 40 idle reflection streams open: {e.code()}")
-        assert took < 3.0
     finally:
         stop.set()
         for call in calls:
@@ -332,7 +332,7 @@ def test_batch_too_big_to_answer_keeps_health_and_no_handles(daemon: Daemon) -> 
 
         def run() -> None:
             try:
-                out["reply"] = stub.Batch(req, metadata=md, timeout=60)
+                out["reply"] = stub.Batch(req, metadata=md, timeout=180)
                 out["code"] = grpc.StatusCode.OK
             except grpc.RpcError as e:
                 out["code"] = e.code()
@@ -341,10 +341,12 @@ def test_batch_too_big_to_answer_keeps_health_and_no_handles(daemon: Daemon) -> 
         th.start()
         worst = 0.0
         while th.is_alive():
-            worst = max(worst, _health(daemon.target, 5.0))
+            worst = max(worst, _health(daemon.target, 10.0))
             th.join(0.1)
         assert out["code"] is grpc.StatusCode.OK
-        assert worst < 2.0
+        # Not held for the Batch (~20 s on a loaded machine); a loaded machine may take a
+        # second or two for a check on a fresh channel.
+        assert worst < 8.0, worst
         locks = [r.match_prefix.lock_id for r in out["reply"].results]  # type: ignore[attr-defined]
         assert len(locks) == n and all(locks)
         for i in range(0, n, 20_000):

@@ -27,7 +27,7 @@ from hicache.config import load_config
 from hicache.errors import HicacheError, NotFound, Unavailable
 from hicache.server import longest_stop_s
 
-from .daemonkit import PAGE, Daemon, free_port, run_cli, scrape, tokens
+from .daemonkit import PAGE, Daemon, eventually, free_port, run_cli, scrape, tokens
 
 MakeDaemon = Callable[..., Daemon]
 MakeRedis = Callable[[], RedisServer]
@@ -155,12 +155,21 @@ def write_back_daemon(make_daemon: MakeDaemon, redis: RedisServer, *sets: str) -
     return d
 
 
+def blocked_clients(redis: RedisServer) -> int:
+    import redis as redis_lib
+
+    with redis_lib.Redis.from_url(redis.url) as r:
+        return int(r.info("clients")["blocked_clients"])
+
+
 class FlushInFlight:
-    """An Admin.Flush under way (its writes held by a paused redis) when SIGTERM comes."""
+    """An Admin.Flush under way (its writes held by a paused redis) when SIGTERM comes;
+    `release()` lets its writes go (the daemon's stop waits STOP_GRACE_S, 5 s, for it)."""
 
     def __init__(self, d: Daemon, redis: RedisServer) -> None:
         self.result: list[object] = []
-        paused_writes(redis, 3000)
+        self.redis = redis
+        paused_writes(redis, 20_000)
 
         def call() -> None:
             try:
@@ -171,10 +180,19 @@ class FlushInFlight:
 
         self.thread = threading.Thread(target=call)
         self.thread.start()
-        time.sleep(0.5)  # the flush is waiting on its first write
+        # The flush is waiting on its first write (nothing else writes: write-back, and
+        # all of it in L1) ...
+        assert eventually(lambda: blocked_clients(redis) > 0, 20)
         assert d.proc is not None
         d.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)  # the daemon is stopping, the flush still under way
+        # ... and the daemon is stopping, the flush still under way.
+        assert eventually(lambda: serving(d.target) is False, 5)
+
+    def release(self) -> None:
+        import redis as redis_lib
+
+        with redis_lib.Redis.from_url(self.redis.url) as r:
+            r.execute_command("CLIENT", "UNPAUSE")
 
 
 @pytest.mark.timeout(120)
@@ -193,6 +211,7 @@ def test_a_stopping_daemon_is_not_serving_to_probes_and_finishes_the_call_under_
     assert rc == 1 and report["reachable"] is True and report["serving"] is False, out
     with d.client(retries=0) as late, pytest.raises(Unavailable, match="shutting down"):
         late.stats()
+    flush.release()
     assert d.stop(timeout_s=30) == 0
     flush.thread.join(10)
     assert flush.result == [10], flush.result  # finished, not cut off
@@ -213,6 +232,7 @@ def test_the_probe_listener_answers_not_serving_while_the_daemon_stops(
         assert serving(d.target) is False  # stopping: the main socket says so
         assert serving(probe) is False  # (None: connection refused)
     finally:
+        flush.release()
         assert d.stop(timeout_s=30) == 0
         flush.thread.join(10)
 
@@ -231,6 +251,7 @@ def test_stats_cli_on_a_stopping_daemon_says_it_answered(
         assert json.loads(out)["reachable"] is True, out
         assert rc == 1, out
     finally:
+        flush.release()
         assert d.stop(timeout_s=30) == 0
         flush.thread.join(10)
 

@@ -28,8 +28,11 @@ C = "token-of-tenant-c-0123456789"
 
 def _config(path: Path, *entries: str, extra: str = "") -> Path:
     """A config file whose server.tokens are `entries` (YAML flow mappings)."""
-    path.write_text(f"server:\n  tokens: [{', '.join(entries)}]\n{extra}")
-    path.chmod(0o600)
+    # (whole, under its name at once: a daemon starting or reloading may be reading it)
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(f"server:\n  tokens: [{', '.join(entries)}]\n{extra}")
+    tmp.chmod(0o600)
+    os.replace(tmp, path)
     return path
 
 
