@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ ids = st.lists(st.integers(-(2**40), 2**40), max_size=300).map(lambda xs: np.arr
 masks = st.lists(st.booleans(), max_size=300).map(lambda xs: np.array(xs, dtype=np.bool_))
 
 
+@fuzz_settings(100)
 @given(ids)
 def test_min_and_max_match_numpy(a: np.ndarray) -> None:
     if a.size:
@@ -19,12 +21,14 @@ def test_min_and_max_match_numpy(a: np.ndarray) -> None:
         assert isinstance(min_of(a), int)
 
 
+@fuzz_settings(100)
 @given(masks)
 def test_any_and_all_match_numpy(m: np.ndarray) -> None:
     assert any_of(m) is bool(m.any())
     assert all_of(m) is bool(m.all())
 
 
+@fuzz_settings(100)
 @given(ids)
 def test_any_negative_and_negative_mask_match_numpy(a: np.ndarray) -> None:
     assert any_negative(a) is bool((a < 0).any())

@@ -401,7 +401,9 @@ def test_the_console_script_exits_2_quickly_with_one_line_when_nothing_answers(w
                  ["stats", "--config", str(world.dead_config)]):
         t0 = time.monotonic()
         out = run_script(*args)
-        assert out.returncode == 2 and time.monotonic() - t0 < 10, out
+        # (not a retry loop: an interpreter's start-up alone takes seconds on a loaded
+        # machine; retrying would take the client's whole 60 s)
+        assert out.returncode == 2 and time.monotonic() - t0 < 30, out
         assert "Traceback" not in out.stderr
         text = out.stdout.strip()
         assert len(text.splitlines()) == 1 or strict_json(text)["reachable"] is False, out

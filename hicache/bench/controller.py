@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +34,12 @@ from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
 PAGE = 64
+
+
+def _instance(prefix: str) -> str:
+    """A controller instance name of its own: the pid and the time (two runs at once, on
+    one node, must not find each other's instance locked)."""
+    return f"{prefix}{os.getpid()}x{time.monotonic_ns() % 10**9}"
 
 
 def _config(storage: dict, l1_tokens: int) -> HicacheConfig:
@@ -62,7 +69,7 @@ def l3_to_l1(tokens_n: int, repeat: int, seed: int) -> dict[str, float]:
     tokens = rng.integers(0, 150_000, tokens_n, dtype=np.uint32).astype("<u4").tobytes()
     with tempfile.TemporaryDirectory(prefix="hicache-bench-") as tmp:
         cfg = _config({"backend": "file", "file": {"path": str(Path(tmp) / "l3")}}, tokens_n * 2)
-        ctl = build_controller(cfg, f"bench{int(time.time()) % 100000}")
+        ctl = build_controller(cfg, _instance("bench"))
         try:
             ctl.attach("bench", 0, 1)
             _request(ctl, tokens)
@@ -121,7 +128,7 @@ def serving(requests: int, seed: int) -> dict[str, float]:
     server = start_redis()
     try:
         cfg = _config({"backend": "redis", "redis": {"url": server.url}, "timeout_s": 0.5}, 65536)
-        ctl = build_controller(cfg, f"benchs{int(time.time()) % 100000}")
+        ctl = build_controller(cfg, _instance("benchs"))
         try:
             # A first connect slower than the 0.5 s timeout (a loaded machine) is retried
             # every 5 s: the healthy figure needs the store connected.

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from hicache.config import MemberSpec
 from hicache.controller.base import AttachInfo
 from hicache.keys import chain_hashes, chain_seed, split_hashes
 from hicache.types import ComponentKind
+
+if TYPE_CHECKING:
+    import torch  # (the pools' type only: a driver that never maps pools need not load it)
 
 
 class KvOracle:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,7 +68,30 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-2000:]
 
 
+# Ports handed out from here, below the kernel's ephemeral range (32768-60999 by default)
+# and above Mooncake's transfer engine's own picks (15000-17000).
+PORT_RANGE = (20_000, 30_000)
+_handed: set[int] = set()
+_ports = random.Random()  # (seeded from the OS: other processes pick others)
+
+
 def free_port() -> int:
+    """A loopback port free now, for a service started next. Taken outside the ephemeral
+    range: a port from `bind(0)` is one the kernel also gives outgoing connections, which
+    may take it in the seconds before the service binds it. Never the same twice in one
+    process; falls back to `bind(0)` when the range is used up."""
+    lo, hi = PORT_RANGE
+    for _ in range(200):
+        port = _ports.randrange(lo, hi)
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,9 @@ def built_controllers(tmp_path, prefix: str = "t") -> Iterator[Callable[..., Hyb
 
     def factory(**kw: object) -> HybridCacheController:
         cfg = tiny_config(tmp_path, **kw)  # type: ignore[arg-type]
-        ctl = build_controller(cfg, f"{prefix}{next(_instances)}x{int(time.time() * 1000) % 100000}")
+        # (the pid: every xdist worker counts from 0, and two may build their k-th
+        # controller in one millisecond; the second would find the instance locked)
+        ctl = build_controller(cfg, f"{prefix}{os.getpid()}x{next(_instances)}")
         built.append(ctl)
         return ctl
 

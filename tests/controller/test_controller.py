@@ -484,16 +484,20 @@ def test_a_corrupt_l3_object_heals_once_the_page_is_computed_again(make) -> None
 
 def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> None:
     ctl = make(write__l1_to_l2="write_through", write__l2_to_l3="write_through",
-               prefetch__policy="timeout", prefetch__timeout_base_s=0.45,
-               prefetch__timeout_per_ki_token_s=0.0, prefetch__timeout_max_s=0.45)
+               prefetch__policy="timeout", prefetch__timeout_base_s=1.0,
+               prefetch__timeout_per_ki_token_s=0.0, prefetch__timeout_max_s=1.0)
     eng = Engine(ctl)
     tokens = seq(40)
     eng.request_then_only_in_l3(tokens)
     backend = ctl.l3.backend
     real = backend._read_into
+    reads: list[int] = []
+    late = threading.Event()  # the second batch's read returns only once it is set
 
     def slow(keys, buffers):
-        time.sleep(0.3)  # a slow store: the second batch ends past the deadline
+        reads.append(len(keys))
+        if len(reads) > 1:  # a slow store: the second batch ends past the deadline
+            late.wait(30)
         return real(keys, buffers)
 
     backend._read_into = slow  # type: ignore[method-assign]
@@ -502,12 +506,16 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
     pf.BATCH_PAGES = 16
     try:
         m = ctl.match("e1", MatchRequest("", tokens, lock=True, prefetch=True))
-        time.sleep(0.5)  # (a timeout of 0 would be TIMED_OUT with nothing: none arrived by then)
+        deadline = time.monotonic() + 20
+        while (ctl.prefetch_status(m.prefetch_id).state is PrefetchState.RUNNING
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         info = ctl.prefetch_status(m.prefetch_id)
         assert info.state is PrefetchState.TIMED_OUT
         # One batch of 16 pages by the deadline; the op covers 32 pages, the prefetch
         # share of L2 (0.25 x 128 pages).
         assert info.tokens_ready == 64 and info.tokens_total == 128
+        late.set()
         assert ctl.prefetcher.worker.drain(10)
         assert ctl.prefetch_status(m.prefetch_id).tokens_ready == 64  # frozen at the deadline
         ctl.release("e1", m.lock_id, None)
@@ -515,6 +523,7 @@ def test_prefetch_timeout_returns_a_prefix_and_late_pages_still_land(make) -> No
         # Late pages were inserted for later requests (and followed into free L1).
         assert later.device_tokens == 128
     finally:
+        late.set()
         pf.BATCH_PAGES = 256
 
 

@@ -208,7 +208,7 @@ def test_a_timed_out_l3_read_keeps_its_l2_pages_until_it_returns(make, monkeypat
     monkeypatch.setattr(os, "readv", hung_readv)
     m = ctl.match("e1", MatchRequest("", a, lock=True, prefetch=True))
     reserved = set(ctl.prefetcher.get(m.prefetch_id).host[FULL].tolist())
-    assert wait_prefetch(ctl, m.prefetch_id).name == "FAILED" and reached.is_set()
+    assert wait_prefetch(ctl, m.prefetch_id).name == "FAILED" and reached.wait(10)
     ctl.release("e1", m.lock_id, None)
     eng.request(b)  # write-through: B takes L2 pages
     assert ctl.transfers.drain(10)
@@ -241,13 +241,21 @@ def test_an_unexpected_error_of_the_l3_lookup_leaves_no_lock(make, monkeypatch) 
     assert ctl.tree.active_locks == 0 and ctl.heartbeat("e1").locks == 0
 
 
+def _stop_prober(ctl) -> None:
+    """The L3 prober stopped (as `close` stops it): nothing closes a breaker the test
+    trips. (A longer `probe_interval_s` only takes effect after the wait under way.)"""
+    ctl._stop.set()
+    ctl._prober.join(10)
+    assert not ctl._prober.is_alive()
+
+
 def test_an_open_breaker_reports_nothing_in_l3_and_starts_no_prefetch(make) -> None:
     ctl = make(write__l2_to_l3="write_through")
     ctl.attach("e1", 0, 1)
     tokens = seq(4)
     _only_in_l3(ctl, "e1", tokens)
     assert ctl.match("e1", MatchRequest("", tokens)).storage_tokens == 16  # known present
-    ctl.probe_interval_s = 3600  # (the prober would close it again)
+    _stop_prober(ctl)  # (it would close it again)
     for _ in range(10):
         ctl.l3.breaker.failure()
     assert ctl.l3.breaker.is_open
@@ -507,8 +515,7 @@ def _both_breakers_tripped(make, read_half_open: bool):
     from hicache.keys import PAGE_HASH_BYTES
 
     ctl = make()
-    ctl.probe_interval_s = 3600
-    time.sleep(0.7)  # the prober now sleeps for an hour
+    _stop_prober(ctl)
     l3 = ctl.l3
     for breaker in (l3.breaker, l3.write_breaker):
         for _ in range(3):

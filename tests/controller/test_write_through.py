@@ -107,8 +107,8 @@ def test_an_allocation_short_of_l1_room_waits_for_the_queued_copies(make) -> Non
     for tokens in prompts:
         eng.request(tokens)
     assert ctl.device.allocator(FULL).free_count == 0
+    start = time.monotonic()  # (before the timer starts: it fires >= 0.2 s from here)
     threading.Timer(0.2, gate.set).start()
-    start = time.monotonic()
     m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
     assert time.monotonic() - start >= 0.15  # it waited for the flush, then evicted
     assert ctl.transfers.stats["allocation_waits"] >= 1

@@ -180,8 +180,8 @@ def test_a_wait_for_a_write_in_flight_ends_when_it_lands_or_times_out(make) -> N
     with ctl._mu:
         ids = ctl.transfers.allocate_l2(FULL, 2)
     try:
+        t0 = time.monotonic()  # (before the timer starts: it fires >= 0.1 s from here)
         threading.Timer(0.1, l3.end_write, args=(writing,)).start()
-        t0 = time.monotonic()
         assert l3.wait_written("", hashes[:2], members, 5)  # until the write ends ...
         assert 0.05 <= time.monotonic() - t0 < 4
         assert l3.read("", hashes[:2], members, ids) == 0  # ... never stored: a miss

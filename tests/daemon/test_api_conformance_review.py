@@ -91,7 +91,9 @@ def refused(call: Callable[[], Any], code: grpc.StatusCode, fragment: str = "") 
 @pytest.fixture(scope="module")
 def dm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     work = tmp_path_factory.mktemp("conf")
-    d = Daemon(work, "storage.backend=file", f"storage.file.path={work / 'l3'}").start()
+    # (wait_complete: a prefetch on a loaded machine is DONE, not TIMED_OUT past 2 s)
+    d = Daemon(work, "storage.backend=file", f"storage.file.path={work / 'l3'}",
+               "prefetch.policy=wait_complete").start()
     yield d
     d.close()
 

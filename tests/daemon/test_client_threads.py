@@ -45,7 +45,7 @@ from hicache.errors import (
 )
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 
-from .daemonkit import PAGE, Daemon, tokens
+from .daemonkit import PAGE, Daemon, eventually, tokens
 
 MakeDaemon = Callable[..., Daemon]
 SEED = 20260311
@@ -318,7 +318,7 @@ def test_one_client_shared_by_many_threads_reads_back_every_byte(make_daemon: Ma
 # --------------------------------------------------------------------------- 2. close midway
 
 
-LEASE_MS = 600
+LEASE_MS = 1500  # (a heartbeat every 500 ms, among 12 busy threads on a loaded machine)
 
 
 def test_close_midway_with_a_short_lease_ends_every_thread_with_a_typed_error(
@@ -388,16 +388,15 @@ def test_close_midway_with_a_short_lease_ends_every_thread_with_a_typed_error(
     with pytest.raises(FailedPrecondition, match="closed"):
         list(c.load(1))
     # What the closed client held goes with its lease.
-    time.sleep(LEASE_MS / 1e3 * 1.5)
+    assert eventually(lambda: "engine engine-closing: lease lapsed" in d.log(), 15), d.log()
     assert_nothing_held(d)
-    assert "lease lapsed" in d.log()
 
 
 # --------------------------------------------------------------------------- 3. one engine id, two clients / a fork
 
 
 def test_two_clients_of_one_process_share_the_engine_and_its_handles(make_daemon: MakeDaemon) -> None:
-    d = make_daemon(*BIG_L1, f"server.lease_ms={LEASE_MS}")
+    d = make_daemon(*BIG_L1)
     tally = Tally()
     with d.client(engine_id="engine-twin") as a, d.client(engine_id="engine-twin") as b:
         assert a.instance_id == b.instance_id == client_module._INSTANCE_ID
@@ -542,6 +541,6 @@ def test_wait_ready_on_a_closed_client_is_failed_precondition_at_once(daemon: Da
     t0 = time.monotonic()
     try:
         with pytest.raises(FailedPrecondition, match="closed"):
-            c.wait_ready(timeout_s=1.0)
+            c.wait_ready(timeout_s=10.0)
     finally:
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 5.0  # at once, not after the 10 s wait

@@ -66,7 +66,7 @@ def _prefetched_and_verified(c: Client, oracle: KvOracle, prompt: bytes) -> int:
 # ---------------------------------------------------------------------- L1 shared memory
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # (four daemon starts: 3-6 s each on a loaded machine)
 def test_a_daemon_killed_during_its_start_leaves_no_segments_across_restarts(
         make_daemon: MakeDaemon) -> None:
     """Killed after it created its L1 segment, before it was ready (twice), then killed

@@ -377,7 +377,7 @@ def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
         work,
         f"server.tokens=[{{token: {TENANT}, namespaces: [{ALLOWED_NS}]}}, "
         f"{{token: {OPERATOR}, namespaces: ['*']}}]",
-        "server.lease_ms=900",
+        "server.lease_ms=3000",  # (short, for the dying engine's lapse; not under a stall)
         f"metrics.port={metrics_port}",
         listen=f"127.0.0.1:{free_port()}",
     ).start()
@@ -467,8 +467,8 @@ def test_an_engine_dying_with_a_lock_and_an_allocation_is_logged_once_with_its_c
         return [line for line in d.log().splitlines()
                 if "dying-engine" in line and "lease lapsed" in line]
 
-    wait_for(lambda: bool(lapse_lines()), 10, "the lease lapse")
-    time.sleep(1.5)  # more than a lease: a second line would have come by now
+    wait_for(lambda: bool(lapse_lines()), 20, "the lease lapse")
+    time.sleep(4)  # more than a lease: a second line would have come by now
     lines = lapse_lines()
     assert len(lines) == 1, lines
     assert " WARNING " in lines[0] and "released 1 locks, 1 allocations" in lines[0], lines

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+from fuzzing import fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.tree.components.swa import SwaComponent
 
 
+@fuzz_settings(100)
 @given(st.lists(st.integers(-1, 5), max_size=200))
 def test_swa_split_breaks_are_where_absent_ids_follow_present_ones(ids: list[int]) -> None:
     # A node may hold absent pages then present ones (an SWA slot keeps the tail an
