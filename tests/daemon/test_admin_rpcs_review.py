@@ -101,8 +101,8 @@ def test_a_sub_millisecond_flush_timeout_is_not_the_daemon_default(
             with pytest.raises(HicacheError, match="4 pages L3 lacks are not written"):
                 c.flush(0.0004)  # 0.4 ms: was sent as 0 = the daemon's 4 s default
             sub_ms = time.monotonic() - t0
-    assert two_ms < 1.0, two_ms
-    assert sub_ms < 1.0, f"flush(timeout_s=0.0004) took {sub_ms:.1f} s (the 4 s default)"
+    assert two_ms < 2.5, two_ms
+    assert sub_ms < 2.5, f"flush(timeout_s=0.0004) took {sub_ms:.1f} s (the 4 s default)"
 
 
 @pytest.mark.timeout(30)
@@ -184,7 +184,7 @@ def test_a_flush_with_a_hung_store_blocks_no_other_rpc_and_nothing_pending_is_qu
                          lambda: other.match(tokens(2 * PAGE, 1000))):
                 t0 = time.monotonic()
                 call()
-                assert time.monotonic() - t0 < 0.5
+                assert time.monotonic() - t0 < 1.5  # (not the flush's 2 s)
             assert other.match(tokens(2 * PAGE, 1000)).device_tokens == 2 * PAGE
             with pytest.raises(HicacheError, match="pages L3 lacks are not written"):
                 flushing.result()
@@ -192,7 +192,7 @@ def test_a_flush_with_a_hung_store_blocks_no_other_rpc_and_nothing_pending_is_qu
         assert c.stats().counters["backups_storage"] == 4
         t0 = time.monotonic()
         assert c.flush(10) == 0  # nothing left
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 3.0
 
 
 def test_flush_without_l3_returns_zero_and_zero_timeout_is_the_default(
@@ -249,11 +249,11 @@ def test_deep_health_with_a_hung_store_is_bounded_and_the_cli_exits_1(
     with d.client(timeout_s=10) as c, Stopped(server):
         t0 = time.monotonic()
         (deep,) = c.health(True)
-        assert time.monotonic() - t0 < 3.0
+        assert time.monotonic() - t0 < 4.0
         assert not deep.healthy and deep.name == "redis"
         t0 = time.monotonic()
         (shallow,) = c.health(False)
-        assert time.monotonic() - t0 < 0.5 and not shallow.healthy
+        assert time.monotonic() - t0 < 1.5 and not shallow.healthy
         out = run_cli("health", "--target", d.target, "--deep", "--json")
         assert out.returncode == 1, out
         report = json.loads(out.stdout)

@@ -102,9 +102,12 @@ def test_a_stop_with_l3_hung_and_a_call_stuck_on_it_refuses_newcomers_and_ends_i
         assert held.device_tokens == PAGE
         os.kill(redis.pid, signal.SIGSTOP)
         try:
+            attached = threading.Event()
+
             def stuck_match() -> None:
                 with d.client(retries=0, timeout_s=60) as c2:
                     c2.attach(map_pools=False)
+                    attached.set()
                     try:
                         stuck["result"] = c2.match(tokens(4 * PAGE, start=900_000), lock=True)
                     except BaseException as e:  # (what the caller sees)
@@ -112,7 +115,8 @@ def test_a_stop_with_l3_hung_and_a_call_stuck_on_it_refuses_newcomers_and_ends_i
 
             thread = threading.Thread(target=stuck_match)
             thread.start()
-            time.sleep(0.7)  # the match waits on the hung store (6 s)
+            assert attached.wait(30)
+            time.sleep(0.5)  # the match waits on the hung store (6 s)
             sent = time.monotonic()
             os.kill(d.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
             time.sleep(0.5)
