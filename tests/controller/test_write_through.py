@@ -419,7 +419,9 @@ def test_with_no_rpc_ending_a_batch_goes_after_the_idle_timeout(make) -> None:
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
 
 
-def test_an_allocation_needing_the_pinned_pages_flushes_a_waiting_batch_at_once(make) -> None:
+def test_an_allocation_needing_the_pinned_pages_flushes_a_waiting_batch_at_once(
+        make, monkeypatch) -> None:
+    monkeypatch.setattr(transfers_mod, "IDLE_FLUSH_FACTOR", 10)  # (an idle timer of 10 s)
     ctl = make(l1_tokens=32, write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=1000)
     eng = Engine(ctl)
     prompts = [seq(2, 1000 * (i + 1)) for i in range(4)]  # fills L1, every page pinned
@@ -429,25 +431,26 @@ def test_an_allocation_needing_the_pinned_pages_flushes_a_waiting_batch_at_once(
     assert ctl.device.allocator(FULL).free_count == 0
     start = time.monotonic()
     m = ctl.match("e1", MatchRequest("", seq(2, 9000), lock=True, allocate_tokens=8))
-    assert time.monotonic() - start < 1.5  # it did not wait for the batch (idle timer: 2 s)
+    assert time.monotonic() - start < 5.0  # it did not wait for the batch (idle timer: 10 s)
     assert len(m.pages["full"]) == 2
     assert ctl.transfers.stats["l2_flushes"] == 1
     ctl.release("e1", m.lock_id, m.allocation_id)
     reload_and_verify(ctl, eng, prompts)
 
 
-def test_drain_and_close_send_a_waiting_batch(make) -> None:
+def test_drain_and_close_send_a_waiting_batch(make, monkeypatch) -> None:
+    monkeypatch.setattr(transfers_mod, "IDLE_FLUSH_FACTOR", 10)  # (an idle timer of 10 s)
     ctl = make(write__l1_to_l2_batch_pages=100, write__l1_to_l2_batch_ms=1000)
     eng = Engine(ctl)
     rpc_request(ctl, eng, seq(2, 1000))
     start = time.monotonic()
     assert ctl.transfers.drain(10)
-    assert time.monotonic() - start < 1.5  # not the idle timer's 2 s
+    assert time.monotonic() - start < 5.0  # not the idle timer's 10 s
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 2
     rpc_request(ctl, eng, seq(2, 2000))  # a flush job now waits for its batch
     start = time.monotonic()
     ctl.transfers.close()
-    assert time.monotonic() - start < 1.5  # closing woke it: nothing hangs for 2 s
+    assert time.monotonic() - start < 5.0  # closing woke it: nothing hangs for 10 s
     assert ctl.tree.resident_pages(Tier.HOST, FULL) == 4
 
 

@@ -307,7 +307,7 @@ def test_the_unbounded_store_answers_present_without_waiting_for_a_write_under_w
         assert reached.wait(WAIT)
         t0 = time.monotonic()
         assert backend.put_from([k], Pool(1, seed=1).slots()) == [PutStatus.PRESENT]
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 5.0  # (not waiting for the gated write)
         assert backend._writing == {} and backend._reserved == 0
         go.set()
         writer.join(WAIT)

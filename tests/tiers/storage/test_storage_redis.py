@@ -111,7 +111,7 @@ def test_concurrent_calls_to_a_hung_server_end_within_the_timeout(redis_server: 
 
     from hicache.errors import BackendUnavailable
 
-    backend = build_backend(storage_config(StorageBackendName.REDIS, timeout_s=1.0,
+    backend = build_backend(storage_config(StorageBackendName.REDIS, timeout_s=2.0,
                                            redis_url=redis_server.url))
     took: list[float] = []
 
@@ -133,7 +133,7 @@ def test_concurrent_calls_to_a_hung_server_end_within_the_timeout(redis_server: 
                 t.join()
         finally:
             os.kill(redis_server.pid, signal.SIGCONT)
-        assert max(took) < 1.5, max(took)
+        assert max(took) < 3.0, max(took)  # (2 s; twice that before)
     finally:
         backend.close()
 
