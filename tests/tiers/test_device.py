@@ -282,8 +282,8 @@ def test_a_start_sweeps_the_segments_of_dead_daemons_under_other_instance_names(
         make_device(tiny_config())
         # (a sweep in another test's worker holding the dead instance's lock for a moment
         # makes this one skip it; that sweep then removes them)
-        assert eventually(lambda: not any(p.exists() for p in dead_segments), 10)
-        assert not (SHM_DIR / f"hicache-{dead}.lock").exists()
+        assert eventually(lambda: not any(p.exists() for p in dead_segments)
+                          and not (SHM_DIR / f"hicache-{dead}.lock").exists(), 10)
         assert live_segment.exists() and held.path.exists()
     finally:
         live_segment.unlink(missing_ok=True)
