@@ -68,8 +68,8 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-2000:]
 
 
-# Ports handed out from here, below the kernel's ephemeral range (32768-60999 by default)
-# and above Mooncake's transfer engine's own picks (15000-17000).
+# Ports handed out from here: below the kernel's ephemeral range (32768-60999 by default),
+# and above the ports Mooncake's transfer engine picks for itself (12601 in a test run here).
 PORT_RANGE = (20_000, 30_000)
 _handed: set[int] = set()
 _ports = random.Random()  # (seeded from the OS: other processes pick others)
