@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 from engine_sim import Engine, evict_all, seq, tree_path
 from l3_kit import Held, in_l3, quiet_and_unwritten, storage_tokens, wait_for
@@ -24,35 +23,20 @@ from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
 from hicache.tiers.storage.file import FileBackend
 from hicache.types import ComponentKind, Tier
 
+# The file backend's race kit and page pools (tests/tiers/storage), as for its own tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiers" / "storage"))
+from file_kit import WAIT, disk_bytes, disk_objects, gate_call, in_thread
+from storage_pages import PAYLOAD, Pool, keys
+
 FULL = ComponentKind.FULL
 SWA = ComponentKind.SWA
 MAMBA = ComponentKind.MAMBA
 PB = 16  # bytes of one page of tokens (page size 4, u32 tokens)
-PAYLOAD = 4096
 OBJECT = HEADER_BYTES + PAYLOAD
 INDEXER = "hicache-file-index"
-WAIT = 10.0
 
 
 # ====================================================================== file backend kit
-
-
-class Pool:
-    """`n` page buffers (header + payload), payloads from `seed`."""
-
-    def __init__(self, n: int, seed: int | None = 0) -> None:
-        self.pages = np.zeros((n, OBJECT), dtype=np.uint8)
-        if seed is not None:
-            rng = np.random.default_rng(seed)
-            self.pages[:, HEADER_BYTES:] = rng.integers(0, 256, (n, PAYLOAD), dtype=np.uint8)
-
-    def slots(self, idx: list[int] | None = None) -> list[np.ndarray]:
-        return [self.pages[i] for i in (range(len(self.pages)) if idx is None else idx)]
-
-
-def keys(n: int, tag: str) -> list[str]:
-    ns = f"ns:{tag}/demo-model/bfloat16"
-    return [f"{ns}/{i:064x}:full:tp0:v1" for i in range(n)]
 
 
 def fbackend(path: Path, capacity_objects: int | None = None, timeout_s: float = 5.0) -> FileBackend:
@@ -61,55 +45,6 @@ def fbackend(path: Path, capacity_objects: int | None = None, timeout_s: float =
     backend.start()
     assert backend.wait_indexed(WAIT)
     return backend
-
-
-def disk_objects(root: Path) -> dict[str, int]:
-    return {name: os.path.getsize(os.path.join(folder, name))
-            for folder, _, names in os.walk(root) for name in names if name.endswith(".kv")}
-
-
-def disk_bytes(root: Path) -> int:
-    return sum(disk_objects(root).values())
-
-
-def gate_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
-               when: Callable[..., bool], *, after: bool = False
-               ) -> tuple[threading.Event, threading.Event]:
-    """Wrap `module.name`: the first call for which `when(*args)` holds sets `reached` and
-    waits for `go` (before the real call, or `after` it)."""
-    real = getattr(module, name)
-    reached, go = threading.Event(), threading.Event()
-    lock = threading.Lock()
-
-    def wrapper(*args: object, **kwargs: object) -> object:
-        with lock:
-            hit = not reached.is_set() and when(*args)
-            if hit and not after:
-                reached.set()
-        if hit and not after:
-            assert go.wait(WAIT)
-        out = real(*args, **kwargs)
-        if hit and after:
-            reached.set()
-            assert go.wait(WAIT)
-        return out
-
-    monkeypatch.setattr(module, name, wrapper)
-    return reached, go
-
-
-def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as e:  # (reported by the test)
-            out.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
 
 
 # ====================================================================== file backend: bugs
@@ -133,7 +68,7 @@ def test_a_put_rewriting_an_object_another_node_removed_is_not_unlinked_by_a_con
     try:
         assert node1.put_from([a, b, c], Pool(3, seed=1).slots()) == [PutStatus.STORED] * 3
         assert node2.delete([a]) == 1  # (another node: node 1's index still holds a)
-        renamed, go = gate_calls(monkeypatch, os, "replace",
+        renamed, go = gate_call(monkeypatch, os, "replace",
                                  lambda src, dst: dst == node1.path_of(a), after=True)
         writer, out = in_thread(lambda: node1.put_from([a], Pool(1, seed=1).slots()))
         assert renamed.wait(WAIT)  # a's new file is in place, its entry not recorded yet
@@ -163,7 +98,7 @@ def test_two_puts_waiting_on_one_keys_eviction_reserve_its_room_once(
     a, b, x, c = keys(4, "twice")
     try:
         assert backend.put_from([a, b, x], Pool(3, seed=1).slots()) == [PutStatus.STORED] * 3
-        reached, go = gate_calls(monkeypatch, os, "unlink",
+        reached, go = gate_call(monkeypatch, os, "unlink",
                                  lambda path: path == backend.path_of(a))
         evictor, evicted = in_thread(lambda: backend.put_from([c], Pool(1, seed=3).slots()))
         assert reached.wait(WAIT)
@@ -377,7 +312,7 @@ def test_a_put_waiting_on_its_keys_eviction_writes_it_anew_and_counters_settle(
     a, b, c = keys(3, "wait")
     try:
         assert backend.put_from([a, b], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
-        reached, go = gate_calls(monkeypatch, os, "unlink",
+        reached, go = gate_call(monkeypatch, os, "unlink",
                                  lambda path: path == backend.path_of(a))
         evictor, evicted = in_thread(lambda: backend.put_from([c], Pool(1, seed=3).slots()))
         assert reached.wait(WAIT)  # a chosen, its file still there

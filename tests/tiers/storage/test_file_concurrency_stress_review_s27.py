@@ -332,16 +332,6 @@ def test_random_concurrent_traffic_fails_no_put_and_leaves_nothing_under_way(
         assert backend.close(wait_s=JOIN_BOUND_S)
 
 
-def _gate(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, *, after: bool,
-          when: Callable[..., bool] = lambda *args: True
-          ) -> tuple[threading.Event, threading.Event, threading.Event]:
-    """`gate_call`, live once `armed` is set. Returns (armed, reached, go)."""
-    armed = threading.Event()
-    reached, go = gate_call(monkeypatch, owner, name, lambda *args: armed.is_set() and when(*args),
-                            after=after)
-    return armed, reached, go
-
-
 # Found by the review, fixed: BUG (fails in some runs, not all: a race): the index records
 # uses and forgets objects after the file operation, outside the lock (file.py l.560, l.618,
 # l.634-635, l.528-531): phantoms and untracked files survive to the end of a phase; the
@@ -403,8 +393,7 @@ def test_a_read_that_outlives_its_objects_eviction_does_not_record_it_again(
     a, b, c = keys(3, "evictread")
     try:
         assert backend.put_from([a, b], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
-        armed, reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
-        armed.set()
+        reached, go = gate_call(monkeypatch, file_backend, "_read_object", after=True)
         reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)  # a's bytes are read, its use not recorded yet
         assert backend.put_from([c], Pool(1, seed=3).slots()) == [PutStatus.STORED]
@@ -430,8 +419,7 @@ def test_a_read_that_outlives_a_delete_of_its_object_does_not_record_it_again(
     a, b = keys(2, "deleteread")
     try:
         assert backend.put_from([a, b], Pool(2, seed=1).slots()) == [PutStatus.STORED] * 2
-        armed, reached, go = _gate(monkeypatch, file_backend, "_read_object", after=True)
-        armed.set()
+        reached, go = gate_call(monkeypatch, file_backend, "_read_object", after=True)
         reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)
         assert backend.delete([a]) == 1
@@ -455,8 +443,7 @@ def test_a_put_found_present_as_a_delete_removes_it_does_not_index_it(
     (a,) = keys(1, "deletepresent")
     try:
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]
-        armed, reached, go = _gate(monkeypatch, file_backend, "_holds_whole", after=True)
-        armed.set()
+        reached, go = gate_call(monkeypatch, file_backend, "_holds_whole", after=True)
         putter, got = in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
         assert reached.wait(10.0)  # the put found a whole, not recorded yet
         assert backend.delete([a]) == 1
@@ -483,9 +470,8 @@ def test_a_write_recorded_after_a_delete_removed_its_file_does_not_index_it(
     backend = _backend(tmp_path, 4)
     (a,) = keys(1, "deletewrite")
     try:
-        armed, reached, go = _gate(monkeypatch, os, "replace", after=True,
-                                   when=lambda src, dst: dst == backend.path_of(a))
-        armed.set()
+        reached, go = gate_call(monkeypatch, os, "replace", after=True,
+                                when=lambda src, dst: dst == backend.path_of(a))
         putter, got = in_thread(lambda: backend.put_from([a], Pool(1, seed=1).slots()))
         assert reached.wait(10.0)  # renamed into place, not recorded yet
         assert backend.delete([a]) == 1
@@ -513,8 +499,7 @@ def test_a_miss_forgotten_after_a_put_recorded_the_key_does_not_untrack_its_file
     backend = _backend(tmp_path, 2)
     a, b, c = keys(3, "forget")
     try:
-        armed, reached, go = _gate(monkeypatch, backend, "_forget", after=False)
-        armed.set()
+        reached, go = gate_call(monkeypatch, backend, "_forget", after=False)
         reader, got = in_thread(lambda: backend.get_into([a], Pool(1, seed=None).slots()))
         assert reached.wait(10.0)  # the read found no file of a, not forgotten yet
         assert backend.put_from([a], Pool(1, seed=1).slots()) == [PutStatus.STORED]

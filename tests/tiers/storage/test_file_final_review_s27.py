@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import test_file_concurrency_stress_review_s27 as stress
-from file_kit import disk_bytes, disk_objects, gate_call, in_thread
+from file_kit import WAIT, disk_bytes, disk_objects, gate_call, in_thread
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
@@ -26,7 +26,6 @@ from hicache.tiers.storage import file as file_backend
 from hicache.tiers.storage.file import FileBackend
 
 OBJECT = HEADER_BYTES + 4096
-WAIT = 10.0
 
 
 def _backend(root: Path, capacity_objects: int | None, timeout_s: float = 10.0) -> FileBackend:
