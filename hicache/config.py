@@ -53,6 +53,7 @@ MAX_LEASE_MS = UINT32_MAX  # lease_ms is a uint32 in the protocol
 # At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
 # core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
 MIN_LEASE_MS = 100
+MAX_MESSAGE_TIMEOUT_S = 86400.0
 MIN_MOONCAKE_SEGMENT = 16 << 20  # the least global segment Mooncake's setup accepts
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
 MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's largest message (an int32 length)
@@ -495,6 +496,7 @@ class ServerConfig:
     lease_ms: int = 30000
     shutdown_flush_s: float = 10.0
     max_tokens_per_request: int = 1 << 20
+    message_timeout_s: float = 30.0  # a call's request message must arrive within this
 
     def _validate(self, path: str) -> None:
         if self.listen.startswith("unix://"):
@@ -532,6 +534,10 @@ class ServerConfig:
             raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is over {MAX_LEASE_MS} "
                               "(a uint32 on the wire)")
         _positive(self.shutdown_flush_s, f"{path}.shutdown_flush_s")
+        _positive(self.message_timeout_s, f"{path}.message_timeout_s")
+        if self.message_timeout_s > MAX_MESSAGE_TIMEOUT_S:
+            raise ConfigError(f"{path}.message_timeout_s: {self.message_timeout_s:g} is over "
+                              f"{MAX_MESSAGE_TIMEOUT_S:g} (a day)")
         _positive(self.max_tokens_per_request, f"{path}.max_tokens_per_request")
         if self.max_tokens_per_request > MAX_TOKENS_PER_REQUEST:
             raise ConfigError(

@@ -1,6 +1,11 @@
 """The one place where exceptions become gRPC status codes (and RPC latency is measured).
 
 Every call goes through `ServerInterceptor`:
+-. its request message is read within `server.message_timeout_s` of the call's start, or
+   the call is cancelled (`expire_reads`, run by the daemon every `read_check_s`): gRPC's
+   sync server waits for a unary call's message on a worker thread, and a caller stopped
+   mid-send (or a hostile one) would hold that thread for as long as it kept its
+   connection;
 0. while the daemon stops (`begin_stop`), a call is refused UNAVAILABLE (the health
    check excepted), and the stop waits for those under way (`wait_idle`);
 1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
@@ -33,6 +38,7 @@ from hicache.metrics import RpcMetrics
 
 log = logging.getLogger("hicache.rpc")
 _unexpected = ThrottledLog(log)
+_unread = ThrottledLog(log)
 
 # Services callable without credentials: the standard health check (probes, `hicache health`
 # against a daemon whose tokens the prober does not hold). It reveals only SERVING or not.
@@ -66,9 +72,16 @@ def _bounded(message: str) -> str:
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
-    def __init__(self, auth: Authenticator, metrics: RpcMetrics | None) -> None:
+    def __init__(self, auth: Authenticator, metrics: RpcMetrics | None,
+                 message_timeout_s: float = 30.0) -> None:
         self._auth = auth
         self._metrics = metrics
+        self.message_timeout_s = message_timeout_s
+        # Calls whose request message is being waited for: context -> (deadline, method).
+        # Whoever pops a call's entry first decides it: the reader (the message came) or
+        # `expire_reads` (it is cancelled), so a message arriving at the deadline is
+        # either served or refused, never served on a cancelled call.
+        self._reading: dict[Any, tuple[float, str]] = {}
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
         self._lock = threading.Lock()
         # Shutdown (`begin_stop`): calls that come meanwhile are refused UNAVAILABLE (the
@@ -85,6 +98,49 @@ class ServerInterceptor(grpc.ServerInterceptor):
         """After `begin_stop`: wait until no call is under way (at most `timeout_s`)."""
         with self._idle:
             return self._idle.wait_for(lambda: not self._active, timeout_s)
+
+    @property
+    def read_check_s(self) -> float:
+        """How often `expire_reads` should run: a quarter of the timeout, within 0.05-1 s."""
+        return min(1.0, max(0.05, self.message_timeout_s / 4))
+
+    def expire_reads(self) -> int:
+        """Cancel the calls whose request message has not come within
+        `message_timeout_s` (their caller sees CANCELLED); returns how many."""
+        now = time.monotonic()
+        expired: list[str] = []
+        for context, (deadline, label) in list(self._reading.items()):
+            if deadline <= now and self._reading.pop(context, None) is not None:
+                context.cancel()  # (wakes the worker waiting for the message)
+                expired.append(label)
+                if self._metrics is not None:
+                    self._metrics.observe(label, "CANCELLED", now - deadline + self.message_timeout_s)
+        if expired:
+            _unread.warning(
+                "message-timeout",
+                "cancelled %d call(s) whose request message did not come within "
+                "server.message_timeout_s=%gs (a caller stopped mid-send, or a hostile one): %s",
+                len(expired), self.message_timeout_s, ", ".join(sorted(set(expired))),
+            )
+        return len(expired)
+
+    def _read(self, label: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        """The call's one request message, waited for at most `message_timeout_s`."""
+        reading = self._reading
+        reading[context] = (time.monotonic() + self.message_timeout_s, label)
+        try:
+            request = next(requests, None)
+        finally:
+            mine = reading.pop(context, None) is not None
+        # (an exception from `next` is gRPC's own RpcError: its caller cancelled, or let
+        # the call's deadline pass; gRPC ends such a call quietly)
+        if not mine:  # cancelled by `expire_reads`, whether or not the message just came
+            context.abort(grpc.StatusCode.CANCELLED, f"{label}: the request message did not "
+                          f"come within server.message_timeout_s={self.message_timeout_s:g}s")
+        if request is None:  # (its caller ended its side without sending one)
+            context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                          f'"/{label}" requires exactly one request message.')
+        return request
 
     def intercept_service(
         self,
@@ -127,15 +183,29 @@ class ServerInterceptor(grpc.ServerInterceptor):
         auth = self._auth if self._auth.enabled and service not in UNAUTHENTICATED_SERVICES else None
         gated = service not in _SERVED_WHILE_STOPPING  # (a health Watch never ends)
         parse = _lenient(label, handler.request_deserializer)
+        # A unary request is served as a one-message request stream, read by `_read`
+        # (bounded by `message_timeout_s`): gRPC's own unary read waits for the message
+        # on the worker thread with no bound but the caller's deadline.
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(label, auth, gated, handler.unary_unary),
+            unary = self._unary(label, auth, gated, handler.unary_unary)
+            read = self._read
+
+            def read_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                return unary(read(label, requests, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                read_unary,
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._stream(label, auth, gated, handler.unary_stream),
+            stream = self._stream(label, auth, gated, handler.unary_stream)
+
+            def read_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+                yield from stream(self._read(label, requests, context), context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                read_stream,
                 request_deserializer=parse,
                 response_serializer=handler.response_serializer,
             )

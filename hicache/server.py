@@ -36,6 +36,7 @@ from hicache.controller.base import CacheService
 from hicache.endpoint import Endpoint, SocketLock, parse_address
 from hicache.errors import FailedPrecondition
 from hicache.interceptor import ServerInterceptor
+from hicache.logthrottle import ThrottledLog
 from hicache.metrics import Metrics
 from hicache.pb.hicache.v1 import admin_pb2, admin_pb2_grpc, hicache_pb2, hicache_pb2_grpc
 from hicache.reload import Reloader, ReloadOutcome
@@ -47,7 +48,12 @@ log = logging.getLogger("hicache.server")
 
 HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-WORKERS = 32
+WORKERS = 32  # server threads started with the daemon
+# ... and as many more as calls need, up to this many in all: a call waiting for its
+# request message (a slow or stopped sender, for up to `server.message_timeout_s`) holds
+# a thread, and calls that come meanwhile must still find one.
+MAX_WORKERS = 256
+PROBE_MAX_WORKERS = 32  # the probe listener's (2 started)
 MAX_HEALTH_WATCHES = 4  # of the WORKERS threads, at most this many held by health Watch streams
 MAX_REFLECTION_STREAMS = 2  # ... and by server reflection streams
 STOP_GRACE_S = 5.0
@@ -69,12 +75,33 @@ def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
 
 
 
-def _started_pool(workers: int, prefix: str) -> futures.ThreadPoolExecutor:
-    """A thread pool whose `workers` threads are all running now. A pool starts them as
-    calls come, and gRPC's serving thread submits calls unguarded: a thread it could not
-    start then (a limit on threads or memory reached under load) ended that thread, and
-    the daemon lived on answering nothing. Started here, such a limit refuses the start."""
-    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+class _GrowingPool(futures.ThreadPoolExecutor):
+    """A thread pool that starts a thread for a task when none is idle (up to its
+    `max_workers`), and queues the task for the running ones when it cannot start one (a
+    limit on threads or memory): gRPC's serving thread submits calls unguarded, and an
+    exception there ended that thread, leaving the daemon alive and answering nothing."""
+
+    serving = False  # (while its first threads start, a thread that cannot start raises)
+
+    def _adjust_thread_count(self) -> None:
+        try:
+            super()._adjust_thread_count()  # type: ignore[misc]
+        except RuntimeError as e:  # "can't start new thread"
+            if not self.serving:
+                raise
+            _no_thread.warning("no-thread", "could not start another server thread (%s; %d "
+                               "running): calls wait for a free one", e, len(self._threads))
+
+
+_no_thread = ThrottledLog(log)
+
+
+def _started_pool(workers: int, prefix: str, max_workers: int | None = None) -> futures.ThreadPoolExecutor:
+    """A thread pool whose first `workers` threads are all running now, growing to
+    `max_workers` (default `workers`) as calls need. Started here, a limit on threads or
+    memory refuses the start; past that, a thread the pool cannot start leaves the call
+    queued for the running ones (`_GrowingPool`)."""
+    pool = _GrowingPool(max_workers=max(workers, max_workers or workers), thread_name_prefix=prefix)
     barrier = threading.Barrier(workers + 1)
     try:
         for _ in range(workers):
@@ -85,7 +112,9 @@ def _started_pool(workers: int, prefix: str) -> futures.ThreadPoolExecutor:
         pool.shutdown(wait=False)
         raise FailedPrecondition(f"cannot start the server's {workers} {prefix} threads ({e}): "
                                  "a limit on threads or memory (ulimit -u, -v; a pids cgroup)") from None
+    pool.serving = True
     return pool
+
 
 class HealthServicer(health.HealthServicer):
     """The standard grpc.health.v1 service, whose NOT_FOUND for a service it does not
@@ -184,9 +213,10 @@ class Daemon:
         )
         self._reloader = (Reloader(cfg, load, self.auth, self.certificate)
                           if load is not None else None)
-        self.interceptor = ServerInterceptor(self.auth, self.metrics.rpc)
+        self.interceptor = ServerInterceptor(self.auth, self.metrics.rpc,
+                                             cfg.server.message_timeout_s)
         self.server = grpc.server(
-            _started_pool(WORKERS, "rpc"),
+            _started_pool(WORKERS, "rpc", MAX_WORKERS),
             interceptors=[self.interceptor],
             options=options,
         )
@@ -204,6 +234,9 @@ class Daemon:
             self.server,
         )
         self.probe_server: grpc.Server | None = None
+        # (the probe listener answers health checks to anyone who reaches its port: its
+        # calls' messages are bounded alike, and its pool grows the same way)
+        self.probe_interceptor = ServerInterceptor(Authenticator(()), None, cfg.server.message_timeout_s)
         self.metrics_port = 0
 
     def start(self) -> None:
@@ -214,7 +247,8 @@ class Daemon:
             os.chmod(self.endpoint.path, self.cfg.server.socket_mode_bits)
         if self.cfg.server.probe_listen:
             self.probe_server = grpc.server(
-                _started_pool(2, "probe"),
+                _started_pool(2, "probe", PROBE_MAX_WORKERS),
+                interceptors=[self.probe_interceptor],
                 options=[("grpc.so_reuseport", 0)],
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
@@ -231,6 +265,7 @@ class Daemon:
             ) from None
         self._every("leases", self._lease_period_s, self._sweep_leases)
         self._every("health", HEALTH_REFRESH_S, self._refresh_health)
+        self._every("reads", self.interceptor.read_check_s, self._expire_reads)
 
     def _bind(self) -> None:
         target = self.endpoint.target
@@ -284,6 +319,10 @@ class Daemon:
         self.health.set("", serving if overall else not_serving)
         self.health.set(HICACHE_SERVICE, serving)
         self.health.set(ADMIN_SERVICE, serving)
+
+    def _expire_reads(self) -> None:
+        self.interceptor.expire_reads()
+        self.probe_interceptor.expire_reads()
 
     def _every(self, name: str, interval_s: float, fn: Callable[[], object]) -> None:
         def loop() -> None:

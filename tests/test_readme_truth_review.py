@@ -441,7 +441,8 @@ def test_stream_caps_and_worker_count_are_the_servers() -> None:
     refl = re.search(r"At most (\d+) streams at once, `RESOURCE_EXHAUSTED` past that",
                      rows["grpc.reflection"])
     assert refl is not None and int(refl.group(1)) == server.MAX_REFLECTION_STREAMS
-    assert f"(`hicache.server.WORKERS` = {server.WORKERS})" in README
+    assert (f"(`hicache.server.WORKERS` = {server.WORKERS} started, growing to `MAX_WORKERS` = "
+            f"{server.MAX_WORKERS})") in README
     # the caps are what the servicers are built with by default
     assert server.HealthServicer()._max_watches == server.MAX_HEALTH_WATCHES
     assert server.ReflectionServicer(())._max_streams == server.MAX_REFLECTION_STREAMS

@@ -556,11 +556,12 @@ def test_a_server_stream_its_caller_cancels_is_measured_as_cancelled() -> None:
 
     wrapped = ServerInterceptor(Authenticator(()), Metrics())._wrap(  # type: ignore[arg-type]
         "/hicache.v1.HiCache/Load", grpc.unary_stream_rpc_method_handler(load))
-    stream = wrapped.unary_stream(object(), None)
+    # (served as a request stream of one message: `ServerInterceptor._read`)
+    stream = wrapped.stream_stream(iter([object()]), None)
     assert next(stream) == 0
     stream.close()  # what gRPC does when the caller cancels
     assert observed == [("hicache.v1.HiCache/Load", "CANCELLED")]
-    assert list(wrapped.unary_stream(object(), None)) == list(range(10))
+    assert list(wrapped.stream_stream(iter([object()]), None)) == list(range(10))
     assert observed[-1] == ("hicache.v1.HiCache/Load", "OK")
 
 

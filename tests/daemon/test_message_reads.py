@@ -1,0 +1,257 @@
+"""A call's request message is read within `server.message_timeout_s`, and calls waiting
+for theirs leave threads for the others (`hicache.interceptor`, `hicache.server`).
+
+gRPC's sync server waits for a unary call's request message on one of its worker threads,
+with no bound but the caller's deadline: a caller stopped mid-send (or a hostile one)
+sending HEADERS and never the message held a thread for as long as it kept its
+connection, and 32 of them stalled every engine. Now such a call is cancelled once the
+timeout passes, and the server's pool grows past its first 32 threads meanwhile
+(`tests/daemon/test_fairness_between_engines_review.py` checks the other engines' latency
+under 40 of them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from hicache.auth import Authenticator
+from hicache.interceptor import ServerInterceptor
+from hicache.pb.hicache.v1 import hicache_pb2 as pb
+from hicache.server import _started_pool
+
+from .daemonkit import Daemon, eventually, free_port, scrape, tokens
+
+MATCH = "/hicache.v1.HiCache/MatchPrefix"
+LOAD = "/hicache.v1.HiCache/Load"
+CHECK = "/grpc.health.v1.Health/Check"
+
+
+@contextlib.contextmanager
+def sender(target: str, method: str, reply: Callable[[bytes], Any], stream: bool = False,
+           ) -> Iterator[Callable[..., Any]]:
+    """A raw channel calling `method` with a request stream the test controls:
+    `call(messages)` starts a call (no deadline) sending what `messages` yields."""
+    channel = grpc.insecure_channel(target)
+    open_calls: list[Any] = []
+    make = channel.stream_stream if stream else channel.stream_unary
+    multi = make(method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=reply)
+
+    def call(messages: Iterator[Any]) -> Any:
+        c = multi(messages) if stream else multi.future(messages)
+        open_calls.append(c)
+        return c
+
+    try:
+        yield call
+    finally:
+        for c in open_calls:
+            c.cancel()
+        channel.close()
+
+
+def never(stop: threading.Event) -> Iterator[Any]:
+    """A request stream whose message never comes (until `stop`, then none: half-close)."""
+    stop.wait()
+    yield from ()
+
+
+def late(message: Any, after_s: float) -> Iterator[Any]:
+    time.sleep(after_s)
+    yield message
+
+
+def rpc_count(port: int, method: str, code: str) -> float:
+    for line in scrape(port).splitlines():
+        if line.startswith("hicache_rpc_seconds_count{") and f'method="{method}"' in line \
+                and f'code="{code}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_call_whose_message_never_comes_is_cancelled_at_the_timeout(
+        make_daemon: Callable[..., Daemon]) -> None:
+    port = free_port()
+    d = make_daemon("server.message_timeout_s=0.5", f"metrics.port={port}")
+    stop = threading.Event()
+    with sender(d.target, MATCH, pb.MatchPrefixResponse.FromString) as call:
+        t0 = time.monotonic()
+        calls = [call(never(stop)) for _ in range(3)]
+        for c in calls:
+            err = c.exception(timeout=30)
+            assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
+        took = time.monotonic() - t0
+        stop.set()
+    assert 0.45 < took < 20, took  # (the timeout, plus at most one check period, plus a loaded machine)
+    assert eventually(lambda: "server.message_timeout_s=0.5s" in d.log(), 10), d.log()
+    assert "hicache.v1.HiCache/MatchPrefix" in d.log()
+    assert rpc_count(port, "hicache.v1.HiCache/MatchPrefix", "CANCELLED") == 3
+    with d.client(engine_id="after") as c:  # and the daemon serves as before
+        c.attach()
+        m = c.match(tokens(64, start=7_000_000), allocate_tokens=64)
+        assert c.insert(tokens(64, start=7_000_000), lock_id=m.lock_id,
+                        allocation_id=m.allocation_id).inserted_tokens == 64
+
+
+def test_a_slow_sender_within_the_timeout_is_served(make_daemon: Callable[..., Daemon]) -> None:
+    """The timeout bounds the wait for the message, not the call: a message that comes
+    0.5 s after its call's headers (a slow link) is served."""
+    d = make_daemon("server.message_timeout_s=5")
+    with sender(d.target, MATCH, pb.MatchPrefixResponse.FromString) as call:
+        reply = call(late(pb.MatchPrefixRequest(tokens=tokens(64)), 0.5)).result(timeout=30)
+        assert reply.device_tokens == 0 and not reply.lock_id  # (a plain lookup: nothing cached)
+    with sender(d.target, CHECK, health_pb2.HealthCheckResponse.FromString) as call:
+        reply = call(late(health_pb2.HealthCheckRequest(), 0.5)).result(timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert "message_timeout_s" not in d.log()
+
+
+@pytest.mark.parametrize(("method", "reply", "stream"), [
+    (MATCH, pb.MatchPrefixResponse.FromString, False),
+    (LOAD, pb.LoadProgress.FromString, True),
+    (CHECK, health_pb2.HealthCheckResponse.FromString, False),
+])
+def test_a_call_ended_without_its_message_is_refused(
+        daemon: Daemon, method: str, reply: Callable[[bytes], Any], stream: bool) -> None:
+    """A caller that ends its side without sending the message gets what gRPC's own
+    unary read answered: UNIMPLEMENTED, "requires exactly one request message"."""
+    with sender(daemon.target, method, reply, stream=stream) as call:
+        c = call(iter(()))
+        with pytest.raises(grpc.RpcError) as info:
+            if stream:
+                list(c)
+            else:
+                c.result(timeout=30)
+    assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED, info.value
+    assert info.value.details() == f'"{method}" requires exactly one request message.'
+
+
+def test_the_probe_listener_answers_while_its_threads_wait_for_messages(
+        make_daemon: Callable[..., Daemon]) -> None:
+    """The probe listener (two threads started) answers kubelet's checks while more half-sent
+    checks than that wait on it, and cancels those at the timeout."""
+    probe = free_port()
+    d = make_daemon(f"server.probe_listen=127.0.0.1:{probe}", "server.message_timeout_s=8")
+    stop = threading.Event()
+    with sender(f"127.0.0.1:{probe}", CHECK, health_pb2.HealthCheckResponse.FromString) as call:
+        calls = [call(never(stop)) for _ in range(6)]
+        time.sleep(0.3)
+        with grpc.insecure_channel(f"127.0.0.1:{probe}") as channel:
+            check = channel.unary_unary(CHECK, request_serializer=lambda m: m.SerializeToString(),
+                                        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            t0 = time.monotonic()
+            assert check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - t0 < 5  # (not after the half-sent ones' timeout)
+        for c in calls:
+            err = c.exception(timeout=30)
+            assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
+        stop.set()
+    assert eventually(lambda: "grpc.health.v1.Health/Check" in d.log(), 10), d.log()
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+class _Context:
+    """A stand-in for the servicer context of one call: records what the interceptor does."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+
+def test_a_message_that_comes_as_the_timeout_expires_it_is_not_served() -> None:
+    """The read and `expire_reads` race for the call: when the expiry wins, the call is
+    cancelled and its handler never runs, even if the message came just after."""
+    interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=1e-9)
+    context = _Context()
+    served: list[Any] = []
+
+    def messages() -> Iterator[Any]:
+        time.sleep(0.001)
+        assert interceptor.expire_reads() == 1  # (the timeout passed while we "waited")
+        yield "request"
+
+    with pytest.raises(_Aborted) as info:
+        served.append(interceptor._read("svc/Method", messages(), context))
+    assert info.value.code is grpc.StatusCode.CANCELLED and context.cancelled and not served
+    assert "message_timeout_s" in info.value.details
+    assert interceptor.expire_reads() == 0  # (nothing left waiting)
+
+
+def test_a_message_read_in_time_is_not_cancelled_later() -> None:
+    interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=0.01)
+    context = _Context()
+    assert interceptor._read("svc/Method", iter(["request"]), context) == "request"
+    time.sleep(0.02)
+    assert interceptor.expire_reads() == 0 and not context.cancelled
+
+
+def test_the_server_pool_queues_calls_when_it_cannot_start_a_thread(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Past its started threads the pool starts more as calls need; a thread it cannot
+    start (a limit on threads or memory) leaves the call queued for the running ones,
+    instead of raising into gRPC's serving thread."""
+    pool = _started_pool(2, "t-pool", 8)
+    try:
+        gate = threading.Event()
+        monkeypatch.setattr(threading.Thread, "start", _cannot_start_pool_threads(threading.Thread.start))
+        with caplog.at_level(logging.WARNING, logger="hicache.server"):
+            done = [pool.submit(gate.wait, 10) for _ in range(5)]  # (none raises)
+        assert "could not start another server thread" in caplog.text
+        gate.set()
+        assert [f.result(timeout=10) for f in done] == [True] * 5  # (the 2 threads ran them all)
+    finally:
+        monkeypatch.undo()
+        pool.shutdown(wait=True)
+
+
+def test_the_server_pool_grows_past_its_started_threads() -> None:
+    pool = _started_pool(2, "t-pool", 6)
+    try:
+        gate = threading.Event()
+        running = threading.Semaphore(0)
+
+        def hold() -> None:
+            running.release()
+            gate.wait(10)
+
+        for _ in range(6):
+            pool.submit(hold)
+        assert all(running.acquire(timeout=10) for _ in range(6))  # all 6 at once
+        gate.set()
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _cannot_start_pool_threads(start: Callable[[threading.Thread], None]) -> Callable[[threading.Thread], None]:
+    """`Thread.start` failing for the test pool's threads only (the test process's other
+    threads, pytest's and xdist's, start as usual)."""
+
+    def cannot_start(self: threading.Thread) -> None:
+        if self.name.startswith("t-pool"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    return cannot_start
