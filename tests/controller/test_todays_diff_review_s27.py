@@ -19,20 +19,19 @@ from l3_kit import Held, in_l3, quiet_and_unwritten, storage_tokens, wait_for
 
 from hicache.config import FileStorageConfig
 from hicache.controller.base import MatchRequest
-from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
+from hicache.tiers.storage import GetStatus, PutStatus
 from hicache.tiers.storage.file import FileBackend
 from hicache.types import ComponentKind, Tier
 
 # The file backend's race kit and page pools (tests/tiers/storage), as for its own tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tiers" / "storage"))
-from file_kit import WAIT, disk_bytes, disk_objects, gate_call, in_thread
-from storage_pages import PAYLOAD, Pool, keys
+from file_kit import OBJECT, WAIT, disk_bytes, disk_objects, gate_call, in_thread, sized_backend
+from storage_pages import Pool, keys
 
 FULL = ComponentKind.FULL
 SWA = ComponentKind.SWA
 MAMBA = ComponentKind.MAMBA
 PB = 16  # bytes of one page of tokens (page size 4, u32 tokens)
-OBJECT = HEADER_BYTES + PAYLOAD
 INDEXER = "hicache-file-index"
 
 
@@ -40,11 +39,7 @@ INDEXER = "hicache-file-index"
 
 
 def fbackend(path: Path, capacity_objects: int | None = None, timeout_s: float = 5.0) -> FileBackend:
-    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
-    backend = FileBackend(FileStorageConfig(path=str(path), capacity_gb=cap), timeout_s=timeout_s)
-    backend.start()
-    assert backend.wait_indexed(WAIT)
-    return backend
+    return sized_backend(path, capacity_objects, timeout_s=timeout_s, indexed=True)
 
 
 # ====================================================================== file backend: bugs

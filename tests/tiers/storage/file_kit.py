@@ -1,5 +1,6 @@
-"""Shared helpers of the file backend's race tests: what the store's directory holds,
-a call gated at a chosen point, a call run in a thread."""
+"""Shared helpers of the file backend's race tests: a backend with room for so many
+objects, what the store's directory holds, a call gated at a chosen point, a call run in a
+thread."""
 
 from __future__ import annotations
 
@@ -11,7 +12,25 @@ from pathlib import Path
 
 import pytest
 
+from hicache.config import FileStorageConfig
+from hicache.tiers.storage import HEADER_BYTES
+from hicache.tiers.storage.file import FileBackend
+
 WAIT = 10.0
+OBJECT = HEADER_BYTES + 4096  # one stored page of `storage_pages.PAYLOAD` bytes
+
+
+def sized_backend(root: Path, capacity_objects: int | None = None, *, timeout_s: float = 5.0,
+                  threads: int | None = None, indexed: bool = False) -> FileBackend:
+    """A started file backend at `root` with room for `capacity_objects` objects of
+    OBJECT bytes (None: unbounded); `indexed`: returned once its start's walk is done."""
+    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
+    backend = FileBackend(FileStorageConfig(path=str(root), capacity_gb=cap, threads=threads),
+                          timeout_s=timeout_s)
+    backend.start()
+    if indexed:
+        assert backend.wait_indexed(WAIT)
+    return backend
 
 
 def disk_objects(root: Path) -> dict[str, int]:

@@ -36,16 +36,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from file_kit import disk_bytes, gate_call, in_thread
+from file_kit import OBJECT, disk_bytes, gate_call, in_thread, sized_backend
 from storage_pages import Pool, keys
 
-from hicache.config import FileStorageConfig
 from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
 from hicache.tiers.storage import file as file_backend
 from hicache.tiers.storage.file import FileBackend
 
-PAYLOAD = 4096
-OBJECT = HEADER_BYTES + PAYLOAD
 N_KEYS = 40
 CAPACITY_OBJECTS = 12
 TIMEOUT_S = 5.0
@@ -59,11 +56,7 @@ JOIN_BOUND_S = CALL_BOUND_S + 10.0
 
 
 def _backend(root: Path, capacity_objects: int | None, threads: int | None = None) -> FileBackend:
-    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
-    backend = FileBackend(FileStorageConfig(path=str(root), capacity_gb=cap, threads=threads),
-                          timeout_s=TIMEOUT_S)
-    backend.start()
-    return backend
+    return sized_backend(root, capacity_objects, timeout_s=TIMEOUT_S, threads=threads)
 
 
 def _disk(root: Path) -> tuple[dict[str, int], list[str]]:

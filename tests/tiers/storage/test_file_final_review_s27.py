@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import test_file_concurrency_stress_review_s27 as stress
-from file_kit import WAIT, disk_bytes, disk_objects, gate_call, in_thread
+from file_kit import OBJECT, WAIT, disk_bytes, disk_objects, gate_call, in_thread, sized_backend
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
@@ -25,15 +25,9 @@ from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
 from hicache.tiers.storage import file as file_backend
 from hicache.tiers.storage.file import FileBackend
 
-OBJECT = HEADER_BYTES + 4096
-
 
 def _backend(root: Path, capacity_objects: int | None, timeout_s: float = 10.0) -> FileBackend:
-    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
-    backend = FileBackend(FileStorageConfig(path=str(root), capacity_gb=cap), timeout_s=timeout_s)
-    backend.start()
-    assert backend.wait_indexed(WAIT)
-    return backend
+    return sized_backend(root, capacity_objects, timeout_s=timeout_s, indexed=True)
 
 
 def _consistent(backend: FileBackend, root: Path) -> str:

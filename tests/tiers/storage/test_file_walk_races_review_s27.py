@@ -19,25 +19,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from file_kit import disk_bytes, disk_objects, gate_call
+from file_kit import OBJECT, disk_bytes, disk_objects, gate_call, sized_backend
 from storage_pages import Pool, keys
 
 from hicache.config import FileStorageConfig
 from hicache.keys import CANARY_PREFIX
-from hicache.tiers.storage import HEADER_BYTES, GetStatus, PutStatus
+from hicache.tiers.storage import GetStatus, PutStatus
 from hicache.tiers.storage import file as file_backend
 from hicache.tiers.storage.file import FileBackend
 
-OBJECT = HEADER_BYTES + 4096
 INDEXER = "hicache-file-index"
 WAIT = 10.0
 
 
 def _backend(path: Path, capacity_objects: int | None = None) -> FileBackend:
-    cap = None if capacity_objects is None else capacity_objects * OBJECT / (1 << 30)
-    backend = FileBackend(FileStorageConfig(path=str(path), capacity_gb=cap), timeout_s=5.0)
-    backend.start()
-    return backend
+    return sized_backend(path, capacity_objects)  # (not waiting for the walk: the races are with it)
 
 
 def _present(backend: FileBackend, ks: list[str]) -> list[int]:
