@@ -53,6 +53,9 @@ MAX_LEASE_MS = UINT32_MAX  # lease_ms is a uint32 in the protocol
 # At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
 # core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
 MIN_LEASE_MS = 100
+# A call's request message: under half a second, a loaded machine's stall of the reader
+# would cancel calls whose message came (tests/daemon/test_message_reads.py).
+MIN_MESSAGE_TIMEOUT_S = 0.5
 MAX_MESSAGE_TIMEOUT_S = 86400.0
 MIN_MOONCAKE_SEGMENT = 16 << 20  # the least global segment Mooncake's setup accepts
 MAX_L1_PAGES = (1 << 31) - 1  # an L1 page id travels as an int32 (MemberPages.page_ids)
@@ -534,10 +537,9 @@ class ServerConfig:
             raise ConfigError(f"{path}.lease_ms: {self.lease_ms} is over {MAX_LEASE_MS} "
                               "(a uint32 on the wire)")
         _positive(self.shutdown_flush_s, f"{path}.shutdown_flush_s")
-        _positive(self.message_timeout_s, f"{path}.message_timeout_s")
-        if self.message_timeout_s > MAX_MESSAGE_TIMEOUT_S:
-            raise ConfigError(f"{path}.message_timeout_s: {self.message_timeout_s:g} is over "
-                              f"{MAX_MESSAGE_TIMEOUT_S:g} (a day)")
+        if not MIN_MESSAGE_TIMEOUT_S <= self.message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
+            raise ConfigError(f"{path}.message_timeout_s: {self.message_timeout_s!r} is not within "
+                              f"{MIN_MESSAGE_TIMEOUT_S:g}-{MAX_MESSAGE_TIMEOUT_S:g} s (a day)")
         _positive(self.max_tokens_per_request, f"{path}.max_tokens_per_request")
         if self.max_tokens_per_request > MAX_TOKENS_PER_REQUEST:
             raise ConfigError(

@@ -1,11 +1,12 @@
 """The one place where exceptions become gRPC status codes (and RPC latency is measured).
 
 Every call goes through `ServerInterceptor`:
--. its request message is read within `server.message_timeout_s` of the call's start, or
-   the call is cancelled (`expire_reads`, run by the daemon every `read_check_s`): gRPC's
-   sync server waits for a unary call's message on a worker thread, and a caller stopped
-   mid-send (or a hostile one) would hold that thread for as long as it kept its
-   connection;
+-. its request message is read within `server.message_timeout_s` of the call's arrival
+   (when gRPC handed it to the server's pool, `hicache.server_pool.submitted_at`), or the
+   call is cancelled (`expire_reads`, run by the daemon every `read_check_s`; at once when
+   the daemon stops): gRPC's sync server waits for a unary call's message on a worker
+   thread, and a caller stopped mid-send (or a hostile one) would hold that thread for as
+   long as it kept its connection;
 0. while the daemon stops (`begin_stop`), a call is refused UNAVAILABLE (the health
    check excepted), and the stop waits for those under way (`wait_idle`);
 1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
@@ -35,6 +36,7 @@ from hicache.auth import Authenticator, reset_current_principal, set_current_pri
 from hicache.errors import HicacheError, InvalidArgument, Unavailable
 from hicache.logthrottle import ThrottledLog
 from hicache.metrics import RpcMetrics
+from hicache.server_pool import submitted_at
 
 log = logging.getLogger("hicache.rpc")
 _unexpected = ThrottledLog(log)
@@ -93,6 +95,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
     def begin_stop(self) -> None:
         with self._idle:
             self._stopping = True
+        self.expire_reads(everything=True)  # (they would be refused: the stop need not wait)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """After `begin_stop`: wait until no call is under way (at most `timeout_s`)."""
@@ -104,18 +107,26 @@ class ServerInterceptor(grpc.ServerInterceptor):
         """How often `expire_reads` should run: a quarter of the timeout, within 0.05-1 s."""
         return min(1.0, max(0.05, self.message_timeout_s / 4))
 
-    def expire_reads(self) -> int:
+    def expire_reads(self, everything: bool = False) -> int:
         """Cancel the calls whose request message has not come within
-        `message_timeout_s` (their caller sees CANCELLED); returns how many."""
+        `message_timeout_s` (`everything`: all those waiting for one, at a stop); their
+        caller sees CANCELLED, with why. Returns how many."""
         now = time.monotonic()
+        try:
+            waiting = list(self._reading.items())
+        except RuntimeError:  # (changed while copied: a collection ran Python code) next time
+            return 0
         expired: list[str] = []
-        for context, (deadline, label) in list(self._reading.items()):
-            if deadline <= now and self._reading.pop(context, None) is not None:
-                context.cancel()  # (wakes the worker waiting for the message)
+        for context, (deadline, label) in waiting:
+            if (everything or deadline <= now) and self._reading.pop(context, None) is not None:
+                why = ("the daemon is shutting down; call again once it is back" if everything
+                       else f"{label}: the request message did not come within "
+                            f"server.message_timeout_s={self.message_timeout_s:g}s")
+                _cancel(context, why)  # (wakes the worker waiting for the message)
                 expired.append(label)
                 if self._metrics is not None:
                     self._metrics.observe(label, "CANCELLED", now - deadline + self.message_timeout_s)
-        if expired:
+        if expired and not everything:
             _unread.warning(
                 "message-timeout",
                 "cancelled %d call(s) whose request message did not come within "
@@ -127,7 +138,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
     def _read(self, label: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The call's one request message, waited for at most `message_timeout_s`."""
         reading = self._reading
-        reading[context] = (time.monotonic() + self.message_timeout_s, label)
+        reading[context] = ((submitted_at() or time.monotonic()) + self.message_timeout_s, label)
         try:
             request = next(requests, None)
         finally:
@@ -291,6 +302,17 @@ class ServerInterceptor(grpc.ServerInterceptor):
                     self._active -= 1
                     if self._stopping and not self._active:
                         self._idle.notify_all()
+
+
+def _cancel(context: grpc.ServicerContext, why: str) -> None:
+    """Cancel the call with status CANCELLED and `why` as its message, through gRPC's own
+    call object (the servicer context's `cancel` sends no message); plainly if that is
+    not there (another gRPC version)."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    try:
+        call.cancel(grpc.StatusCode.CANCELLED.value[0], why)  # type: ignore[union-attr]
+    except Exception:  # (AttributeError, TypeError: not the call object we know)
+        context.cancel()
 
 
 def _code_set(context: grpc.ServicerContext) -> str | None:

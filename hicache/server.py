@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -36,10 +35,10 @@ from hicache.controller.base import CacheService
 from hicache.endpoint import Endpoint, SocketLock, parse_address
 from hicache.errors import FailedPrecondition
 from hicache.interceptor import ServerInterceptor
-from hicache.logthrottle import ThrottledLog
 from hicache.metrics import Metrics
 from hicache.pb.hicache.v1 import admin_pb2, admin_pb2_grpc, hicache_pb2, hicache_pb2_grpc
 from hicache.reload import Reloader, ReloadOutcome
+from hicache.server_pool import ServerPool
 from hicache.service import AdminServicer, HiCacheServicer
 from hicache.signals import watch_hangups, watch_stack_dumps
 from hicache.tls import ServerCertificate
@@ -48,12 +47,11 @@ log = logging.getLogger("hicache.server")
 
 HICACHE_SERVICE = hicache_pb2.DESCRIPTOR.services_by_name["HiCache"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
-WORKERS = 32  # server threads started with the daemon
-# ... and as many more as calls need, up to this many in all: a call waiting for its
-# request message (a slow or stopped sender, for up to `server.message_timeout_s`) holds
-# a thread, and calls that come meanwhile must still find one.
+WORKERS = 32  # server threads started with the daemon (`hicache.server_pool`)
+# ... and as many more as calls need, up to this many in all (the probe listener's too, 2
+# started): a call waiting for its request message (a slow or stopped sender, for up to
+# `server.message_timeout_s`) holds a thread, and calls that come meanwhile must find one.
 MAX_WORKERS = 256
-PROBE_MAX_WORKERS = 32  # the probe listener's (2 started)
 MAX_HEALTH_WATCHES = 4  # of the WORKERS threads, at most this many held by health Watch streams
 MAX_REFLECTION_STREAMS = 2  # ... and by server reflection streams
 STOP_GRACE_S = 5.0
@@ -73,47 +71,6 @@ def check_security(cfg: HicacheConfig, endpoint: Endpoint) -> None:
         f"(set server.tls_cert and server.tls_key) or listen on 127.0.0.1 / a unix socket"
     )
 
-
-
-class _GrowingPool(futures.ThreadPoolExecutor):
-    """A thread pool that starts a thread for a task when none is idle (up to its
-    `max_workers`), and queues the task for the running ones when it cannot start one (a
-    limit on threads or memory): gRPC's serving thread submits calls unguarded, and an
-    exception there ended that thread, leaving the daemon alive and answering nothing."""
-
-    serving = False  # (while its first threads start, a thread that cannot start raises)
-
-    def _adjust_thread_count(self) -> None:
-        try:
-            super()._adjust_thread_count()  # type: ignore[misc]
-        except RuntimeError as e:  # "can't start new thread"
-            if not self.serving:
-                raise
-            _no_thread.warning("no-thread", "could not start another server thread (%s; %d "
-                               "running): calls wait for a free one", e, len(self._threads))
-
-
-_no_thread = ThrottledLog(log)
-
-
-def _started_pool(workers: int, prefix: str, max_workers: int | None = None) -> futures.ThreadPoolExecutor:
-    """A thread pool whose first `workers` threads are all running now, growing to
-    `max_workers` (default `workers`) as calls need. Started here, a limit on threads or
-    memory refuses the start; past that, a thread the pool cannot start leaves the call
-    queued for the running ones (`_GrowingPool`)."""
-    pool = _GrowingPool(max_workers=max(workers, max_workers or workers), thread_name_prefix=prefix)
-    barrier = threading.Barrier(workers + 1)
-    try:
-        for _ in range(workers):
-            pool.submit(barrier.wait)
-        barrier.wait(timeout=30)
-    except (RuntimeError, threading.BrokenBarrierError) as e:
-        barrier.abort()
-        pool.shutdown(wait=False)
-        raise FailedPrecondition(f"cannot start the server's {workers} {prefix} threads ({e}): "
-                                 "a limit on threads or memory (ulimit -u, -v; a pids cgroup)") from None
-    pool.serving = True
-    return pool
 
 
 class HealthServicer(health.HealthServicer):
@@ -193,6 +150,9 @@ class Daemon:
         self.endpoint = endpoint
         self.metrics = Metrics(core)
         self.health = HealthServicer()
+        # The probe listener's: the same statuses (`_set_health`), its own Watch streams (it
+        # answers anyone who reaches its port: they must not take the main listener's).
+        self.probe_health = HealthServicer()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lease_period_s = cfg.server.lease_ms / 3e3  # (the client heartbeats as often)
@@ -216,7 +176,7 @@ class Daemon:
         self.interceptor = ServerInterceptor(self.auth, self.metrics.rpc,
                                              cfg.server.message_timeout_s)
         self.server = grpc.server(
-            _started_pool(WORKERS, "rpc", MAX_WORKERS),
+            ServerPool(WORKERS, MAX_WORKERS, "rpc").start(),
             interceptors=[self.interceptor],
             options=options,
         )
@@ -247,11 +207,11 @@ class Daemon:
             os.chmod(self.endpoint.path, self.cfg.server.socket_mode_bits)
         if self.cfg.server.probe_listen:
             self.probe_server = grpc.server(
-                _started_pool(2, "probe", PROBE_MAX_WORKERS),
+                ServerPool(2, MAX_WORKERS, "probe").start(),
                 interceptors=[self.probe_interceptor],
                 options=[("grpc.so_reuseport", 0)],
             )
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probe_server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.probe_health, self.probe_server)
             probe = self.cfg.server.probe_listen
             if not _bound(lambda: self.probe_server.add_insecure_port(probe)):  # type: ignore[union-attr]
                 raise FailedPrecondition(f"server.probe_listen={probe}: cannot listen there (in use?)")
@@ -316,9 +276,10 @@ class Daemon:
         )
         # Overall (readiness): NOT_SERVING while a required backend is down. The services
         # themselves (liveness) keep SERVING: L1/L2 still work.
-        self.health.set("", serving if overall else not_serving)
-        self.health.set(HICACHE_SERVICE, serving)
-        self.health.set(ADMIN_SERVICE, serving)
+        for health_servicer in (self.health, self.probe_health):
+            health_servicer.set("", serving if overall else not_serving)
+            health_servicer.set(HICACHE_SERVICE, serving)
+            health_servicer.set(ADMIN_SERVICE, serving)
 
     def _expire_reads(self) -> None:
         self.interceptor.expire_reads()
@@ -339,12 +300,14 @@ class Daemon:
     def stop(self) -> None:
         """Stop accepting, finish in-flight calls, flush, close the core."""
         self._stop.set()
-        self.health.enter_graceful_shutdown()  # (the probe listener answers NOT_SERVING)
+        self.health.enter_graceful_shutdown()
+        self.probe_health.enter_graceful_shutdown()  # (the probe listener answers NOT_SERVING)
         # Calls that come from now on are refused UNAVAILABLE (the contract: gRPC's stop
         # would cancel them), those under way finish within the grace period; then gRPC
         # stops. Bounded: a call gRPC never finished (it happened: see the interceptor's
         # streaming requests) must not keep the flush and the exit waiting forever.
         self.interceptor.begin_stop()
+        self.probe_interceptor.begin_stop()  # (its calls waiting for a message end now)
         started = time.monotonic()
         self.interceptor.wait_idle(STOP_GRACE_S)
         left = max(0.0, STOP_GRACE_S - (time.monotonic() - started))
@@ -454,7 +417,12 @@ def serve(
             if hangups and not signalled and (reloading is None or not reloading.is_alive()):
                 hangups.clear()
                 reloading = threading.Thread(target=daemon.reload, name="reload", daemon=True)
-                reloading.start()
+                try:
+                    reloading.start()
+                except RuntimeError as e:  # (a limit on threads or memory, reached now)
+                    log.error("reload not done: cannot start its thread (%s); send SIGHUP again "
+                              "once the limit on threads or memory allows", e)
+                    reloading = None
         log.info("hicache daemon stopping")
         daemon.stop()
     finally:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 
 from hicache.bench.services import free_port as free_port  # the daemon tests take it from here
@@ -149,6 +152,47 @@ def run_cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess[
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         return str(r.read().decode())
+
+
+def rpc_count(port: int, method: str, code: str) -> float:
+    """`hicache_rpc_seconds_count` of `method` (e.g. "hicache.v1.HiCache/MatchPrefix")
+    ending with `code`, 0 when there is none."""
+    for line in scrape(port).splitlines():
+        if line.startswith("hicache_rpc_seconds_count{") and f'method="{method}"' in line \
+                and f'code="{code}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def raw_calls(target: str, method: str, reply: Callable[[bytes], Any], stream: bool = False,
+              ) -> Iterator[Callable[[Iterator[Any]], Any]]:
+    """A plaintext channel calling `method` (e.g. "/hicache.v1.HiCache/MatchPrefix") with
+    a request stream the test controls: `call(messages)` starts a call (no deadline)
+    sending what `messages` yields (a future; for `stream`, the reply iterator). The
+    calls are cancelled at the end."""
+    channel = grpc.insecure_channel(target)
+    made: list[Any] = []
+    make = channel.stream_stream if stream else channel.stream_unary
+    multi = make(method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=reply)
+
+    def call(messages: Iterator[Any]) -> Any:
+        c = multi(messages) if stream else multi.future(messages)
+        made.append(c)
+        return c
+
+    try:
+        yield call
+    finally:
+        for c in made:
+            c.cancel()
+        channel.close()
+
+
+def never(stop: threading.Event) -> Iterator[Any]:
+    """A request stream whose message never comes (until `stop`, then none: it ends)."""
+    stop.wait()
+    yield from ()
 
 
 def load_and_verify(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAGE) -> int:
