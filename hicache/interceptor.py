@@ -49,6 +49,8 @@ UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
 _SERVED_WHILE_STOPPING = frozenset({"grpc.health.v1.Health"})
 
 
+_STOPPING = "the daemon is shutting down; call again once it is back"
+
 # A status message travels in a trailer, percent-encoded (up to 3 bytes a UTF-8 byte), and
 # gRPC drops trailers past its metadata limit (8 KiB): the caller then sees
 # RESOURCE_EXHAUSTED, not the status. Messages quote the caller's strings (a session id, a
@@ -119,7 +121,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
         expired: list[str] = []
         for context, (deadline, label) in waiting:
             if (everything or deadline <= now) and self._reading.pop(context, None) is not None:
-                why = ("the daemon is shutting down; call again once it is back" if everything
+                why = (_STOPPING if everything
                        else f"{label}: the request message did not come within "
                             f"server.message_timeout_s={self.message_timeout_s:g}s")
                 _cancel(context, why)  # (wakes the worker waiting for the message)
@@ -146,8 +148,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
         # (an exception from `next` is gRPC's own RpcError: its caller cancelled, or let
         # the call's deadline pass; gRPC ends such a call quietly)
         if not mine:  # cancelled by `expire_reads`, whether or not the message just came
-            context.abort(grpc.StatusCode.CANCELLED, f"{label}: the request message did not "
-                          f"come within server.message_timeout_s={self.message_timeout_s:g}s")
+            context.abort(grpc.StatusCode.CANCELLED, _STOPPING if self._stopping else (
+                f"{label}: the request message did not come within "
+                f"server.message_timeout_s={self.message_timeout_s:g}s"))
         if request is None:  # (its caller ended its side without sending one)
             context.abort(grpc.StatusCode.UNIMPLEMENTED,
                           f'"/{label}" requires exactly one request message.')
@@ -271,7 +274,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 self._active += 1
         try:
             if gated and self._stopping:
-                raise Unavailable("the daemon is shutting down; call again once it is back")
+                raise Unavailable(_STOPPING)
             if auth is not None:  # first: an unauthenticated caller learns nothing more
                 token = _authorize(auth, request, context)
             if isinstance(request, _Undecodable):

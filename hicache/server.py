@@ -175,8 +175,10 @@ class Daemon:
                           if load is not None else None)
         self.interceptor = ServerInterceptor(self.auth, self.metrics.rpc,
                                              cfg.server.message_timeout_s)
+        self._pool = ServerPool(WORKERS, MAX_WORKERS, "rpc").start()
+        self._probe_pool: ServerPool | None = None
         self.server = grpc.server(
-            ServerPool(WORKERS, MAX_WORKERS, "rpc").start(),
+            self._pool,
             interceptors=[self.interceptor],
             options=options,
         )
@@ -206,8 +208,9 @@ class Daemon:
         if self.endpoint.path is not None:
             os.chmod(self.endpoint.path, self.cfg.server.socket_mode_bits)
         if self.cfg.server.probe_listen:
+            self._probe_pool = ServerPool(2, MAX_WORKERS, "probe").start()
             self.probe_server = grpc.server(
-                ServerPool(2, MAX_WORKERS, "probe").start(),
+                self._probe_pool,
                 interceptors=[self.probe_interceptor],
                 options=[("grpc.so_reuseport", 0)],
             )
@@ -314,6 +317,7 @@ class Daemon:
         if not self.server.stop(left).wait(left + STOP_SLACK_S):
             log.warning("gRPC server not stopped %.0f s after its grace period; going on",
                         STOP_SLACK_S)
+        self._pool.shutdown(wait=False)  # (its threads end once their calls have)
         for thread in self._threads:
             thread.join(timeout=5)
         self.metrics.close()
@@ -333,6 +337,8 @@ class Daemon:
                 # Last: kubelet probes see NOT_SERVING, not a refused connection, until
                 # the flush is done (a refused liveness probe counts toward a restart).
                 self.probe_server.stop(0)
+            if self._probe_pool is not None:
+                self._probe_pool.shutdown(wait=False)
 
 
 def longest_stop_s(cfg: HicacheConfig) -> float:

@@ -54,7 +54,12 @@ class ServerPool(futures.Executor):
         self.idle_s = idle_s
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = threading.Semaphore(0)  # idle threads no submitted task has claimed
+        # Under `_lock`, with I the threads not running a task and Q the tasks queued:
+        # `_idle` - `_owed` == I - Q, and never both above 0. `_idle`: idle threads no
+        # queued task has claimed (one may retire); `_owed`: queued tasks no thread was
+        # idle or started for (the next thread to finish one takes them, staying busy).
+        self._idle = 0
+        self._owed = 0
         self._threads: set[threading.Thread] = set()
         self._serial = 0
         self._serving = False
@@ -72,7 +77,8 @@ class ServerPool(futures.Executor):
         with self._lock:
             try:
                 for _ in range(self.started):
-                    self._start_thread(lasting=True, idle=True)
+                    self._start_thread(lasting=True)
+                    self._idle += 1
             except RuntimeError as e:  # "can't start new thread"
                 self._shutdown = True
                 self._queue.put(None)
@@ -88,14 +94,25 @@ class ServerPool(futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.put((future, fn, args, kwargs, time.monotonic()))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self.most:
-                try:
-                    self._start_thread(lasting=not self._serving, idle=False)
-                except RuntimeError as e:
-                    _no_thread.warning("no-thread", "could not start another %s thread (%s; %d "
-                                       "running): calls wait for a free one", self.prefix, e,
-                                       len(self._threads))
+            if self._idle:
+                self._idle -= 1  # (an idle thread takes it)
+            elif not self._started_for_task():
+                self._owed += 1  # (a busy thread takes it once done)
         return future
+
+    def _started_for_task(self) -> bool:
+        """(Under `_lock`.) Start a thread for a task just queued, if `most` allows and
+        the thread starts."""
+        if len(self._threads) >= self.most:
+            return False
+        try:
+            self._start_thread(lasting=not self._serving)
+        except RuntimeError as e:
+            _no_thread.warning(f"no-thread:{self.prefix}", "could not start another %s thread (%s; %d "
+                               "running): calls wait for a free one", self.prefix, e,
+                               len(self._threads))
+            return False
+        return True
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
@@ -114,34 +131,31 @@ class ServerPool(futures.Executor):
             for thread in threads:
                 thread.join()
 
-    def _start_thread(self, lasting: bool, idle: bool) -> None:
-        """(Under `_lock`.) `lasting`: one of the started threads, which never retire;
-        `idle`: it starts idle (else a task just submitted is its first)."""
+    def _start_thread(self, lasting: bool) -> None:
+        """(Under `_lock`.) `lasting`: one of the started threads, which never retire."""
         self._serial += 1
-        thread = threading.Thread(target=self._work, args=(lasting, idle),
+        thread = threading.Thread(target=self._work, args=(lasting,),
                                   name=f"{self.prefix}_{self._serial}", daemon=True)
         thread.start()
         self._threads.add(thread)
 
-    def _work(self, lasting: bool, idle: bool) -> None:
+    def _work(self, lasting: bool) -> None:
         timeout = None if lasting else self.idle_s
-        if idle:
-            self._idle.release()
+        me = threading.current_thread()
         while True:
             try:
                 task = self._queue.get(timeout=timeout)
             except queue.Empty:
-                # Retire, unless a task submitted meanwhile counted on this thread being
-                # idle (it took the token): then that task is in the queue for it.
-                if self._idle.acquire(blocking=False):
-                    with self._lock:
-                        self._threads.discard(threading.current_thread())
-                    return
+                with self._lock:
+                    if self._idle:  # (else a task queued meanwhile is for this thread)
+                        self._idle -= 1
+                        self._threads.discard(me)
+                        return
                 continue
             if task is None:
                 self._queue.put(None)
                 with self._lock:
-                    self._threads.discard(threading.current_thread())
+                    self._threads.discard(me)
                 return
             future, fn, args, kwargs, at = task
             del task
@@ -153,7 +167,12 @@ class ServerPool(futures.Executor):
                     future.set_exception(e)
                 else:
                     future.set_result(result)
+                    del result
                 finally:
                     _task.at = None
-                    del fn, args, kwargs, future
-            self._idle.release()
+            del future, fn, args, kwargs  # (an idle thread keeps nothing of its last task)
+            with self._lock:
+                if self._owed:
+                    self._owed -= 1
+                else:
+                    self._idle += 1
