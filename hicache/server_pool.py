@@ -10,9 +10,10 @@ find one. So `ServerPool`:
 - starts another thread for a call when none is idle, up to `most`; one it cannot start
   (such a limit) leaves the call queued for the running ones, logged, instead of raising
   into gRPC's serving thread (an exception there ended that thread);
-- retires the threads past `started` once idle for `idle_s`, so that a burst's threads do
-  not keep, for the daemon's life, what other threads (the metrics exporter's, a reload's)
-  would need under such a limit;
+- retires the threads past `started` once idle for `idle_s`, or as they finish a task
+  while `started` others are idle (under steady traffic every thread gets a task within
+  `idle_s`), so that a burst's threads do not keep, for the daemon's life, what other
+  threads (the metrics exporter's, a reload's) would need under such a limit;
 - records when each call was handed over (`submitted_at`), which is when it arrived: the
   message timeout counts from there, not from when a thread was free to read it.
 """
@@ -174,5 +175,8 @@ class ServerPool(futures.Executor):
             with self._lock:
                 if self._owed:
                     self._owed -= 1
+                elif not lasting and self._idle >= self.started:  # (enough are idle)
+                    self._threads.discard(me)
+                    return
                 else:
                     self._idle += 1

@@ -252,3 +252,29 @@ def test_the_server_pool_retires_the_threads_past_its_started_ones_once_idle() -
         assert pool.submit(lambda: 7).result(timeout=10) == 7
     finally:
         pool.shutdown(wait=True)
+
+
+def test_the_server_pool_shrinks_back_under_steady_traffic() -> None:
+    """Under traffic steady enough that every thread gets a task within `idle_s`, the
+    threads a burst added still go: one finishing a task while `started` others are idle
+    retires."""
+    pool = ServerPool(2, 16, "t-pool", idle_s=600.0).start()
+    try:
+        gate = threading.Event()
+        running = threading.Semaphore(0)
+
+        def hold() -> None:
+            running.release()
+            gate.wait(10)
+
+        held = [pool.submit(hold) for _ in range(16)]
+        assert all(running.acquire(timeout=10) for _ in range(16)) and pool.threads == 16
+        gate.set()
+        assert all(f.result(timeout=10) is None for f in held)
+        # Of the 14 added, those finishing while 2 others were idle retired: at most 2 stay.
+        assert eventually(lambda: pool.threads <= 4, 10), pool.threads
+        for _ in range(200):  # (steady traffic, far more often than idle_s: it adds none)
+            assert pool.submit(int).result(timeout=10) == 0
+        assert pool.threads <= 4, pool.threads
+    finally:
+        pool.shutdown(wait=True)
