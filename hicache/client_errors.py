@@ -44,6 +44,8 @@ def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
     if cls is errors.Unavailable and code.name == "DEADLINE_EXCEEDED":
         return errors.NoAnswer(f"no answer in time ({message})")
     if cls is errors.Unavailable and code.name == "CANCELLED":
+        if "message_timeout_s" in message:  # (it gave up waiting for the request message)
+            return cls(f"the daemon ended the call: {message}")
         return cls(f"the daemon ended the call ({message or 'cancelled'}): it is stopping or restarting")
     if cls is None:
         return HicacheError(f"{code.name}: {message}")

@@ -278,3 +278,14 @@ def test_the_server_pool_shrinks_back_under_steady_traffic() -> None:
         assert pool.threads <= 4, pool.threads
     finally:
         pool.shutdown(wait=True)
+
+
+def test_the_client_reads_a_message_timeout_as_unavailable_without_blaming_a_stop() -> None:
+    from hicache.client_errors import error_for
+    from hicache.errors import Unavailable
+
+    why = "hicache.v1.HiCache/MatchPrefix: the request message did not come within server.message_timeout_s=30s"
+    err = error_for(grpc.StatusCode.CANCELLED, why)
+    assert isinstance(err, Unavailable) and why in str(err) and "stopping" not in str(err), err
+    stop = error_for(grpc.StatusCode.CANCELLED, "the daemon is shutting down; call again once it is back")
+    assert isinstance(stop, Unavailable) and "stopping or restarting" in str(stop)
