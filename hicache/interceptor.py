@@ -3,10 +3,12 @@
 Every call goes through `ServerInterceptor`:
 -. its request message is read within `server.message_timeout_s` of the call's arrival
    (when gRPC handed it to the server's pool, `hicache.server_pool.submitted_at`), or the
-   call is cancelled (`expire_reads`, run by the daemon every `read_check_s`; at once when
-   the daemon stops): gRPC's sync server waits for a unary call's message on a worker
-   thread, and a caller stopped mid-send (or a hostile one) would hold that thread for as
-   long as it kept its connection;
+   call is cancelled (`expire_reads`, run by the daemon every `read_check_s`; a read that
+   begins past that, its call queued behind a full pool, gets `LATE_READ_GRACE_S` more;
+   when the daemon stops, those waiting then are refused UNAVAILABLE at once): gRPC's sync
+   server waits for a unary call's message on a worker thread, and a caller stopped
+   mid-send (or a hostile one) would hold that thread for as long as it kept its
+   connection;
 0. while the daemon stops (`begin_stop`), a call is refused UNAVAILABLE (the health
    check excepted), and the stop waits for those under way (`wait_idle`);
 1. authentication (`hicache.auth`): the bearer token → a `Principal`, made current for the
@@ -50,6 +52,10 @@ _SERVED_WHILE_STOPPING = frozenset({"grpc.health.v1.Health"})
 
 
 _STOPPING = "the daemon is shutting down; call again once it is back"
+# A read that begins after its call's message deadline (the call waited in the pool's
+# queue that long) waits this long (at most the timeout) before it is cancelled: the
+# message may have come with the call.
+LATE_READ_GRACE_S = 1.0
 
 # A status message travels in a trailer, percent-encoded (up to 3 bytes a UTF-8 byte), and
 # gRPC drops trailers past its metadata limit (8 KiB): the caller then sees
@@ -77,10 +83,12 @@ def _bounded(message: str) -> str:
 
 class ServerInterceptor(grpc.ServerInterceptor):
     def __init__(self, auth: Authenticator, metrics: RpcMetrics | None,
-                 message_timeout_s: float = 30.0) -> None:
+                 message_timeout_s: float = 30.0, listener: str = "server") -> None:
+        """`listener`: which one this is, in its log lines ("server", "probe listener")."""
         self._auth = auth
         self._metrics = metrics
         self.message_timeout_s = message_timeout_s
+        self.listener = listener
         # Calls whose request message is being waited for: context -> (deadline, method).
         # Whoever pops a call's entry first decides it: the reader (the message came) or
         # `expire_reads` (it is cancelled), so a message arriving at the deadline is
@@ -119,28 +127,33 @@ class ServerInterceptor(grpc.ServerInterceptor):
         except RuntimeError:  # (changed while copied: a collection ran Python code) next time
             return 0
         expired: list[str] = []
+        code = grpc.StatusCode.UNAVAILABLE if everything else grpc.StatusCode.CANCELLED
         for context, (deadline, label) in waiting:
             if (everything or deadline <= now) and self._reading.pop(context, None) is not None:
                 why = (_STOPPING if everything
                        else f"{label}: the request message did not come within "
                             f"server.message_timeout_s={self.message_timeout_s:g}s")
-                _cancel(context, why)  # (wakes the worker waiting for the message)
+                _cancel(context, code, why)  # (wakes the worker waiting for the message)
                 expired.append(label)
                 if self._metrics is not None:
-                    self._metrics.observe(label, "CANCELLED", now - deadline + self.message_timeout_s)
+                    self._metrics.observe(label, code.name, now - deadline + self.message_timeout_s)
         if expired and not everything:
             _unread.warning(
-                "message-timeout",
-                "cancelled %d call(s) whose request message did not come within "
+                f"message-timeout:{self.listener}",
+                "%s: cancelled %d call(s) whose request message did not come within "
                 "server.message_timeout_s=%gs (a caller stopped mid-send, or a hostile one): %s",
-                len(expired), self.message_timeout_s, ", ".join(sorted(set(expired))),
+                self.listener, len(expired), self.message_timeout_s, ", ".join(sorted(set(expired))),
             )
         return len(expired)
 
     def _read(self, label: str, requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         """The call's one request message, waited for at most `message_timeout_s`."""
         reading = self._reading
-        reading[context] = ((submitted_at() or time.monotonic()) + self.message_timeout_s, label)
+        now = time.monotonic()
+        deadline = (submitted_at() or now) + self.message_timeout_s
+        if deadline < now + LATE_READ_GRACE_S:  # (queued that long: its message may be here)
+            deadline = max(deadline, now + min(self.message_timeout_s, LATE_READ_GRACE_S))
+        reading[context] = (deadline, label)
         try:
             request = next(requests, None)
         finally:
@@ -148,9 +161,10 @@ class ServerInterceptor(grpc.ServerInterceptor):
         # (an exception from `next` is gRPC's own RpcError: its caller cancelled, or let
         # the call's deadline pass; gRPC ends such a call quietly)
         if not mine:  # cancelled by `expire_reads`, whether or not the message just came
-            context.abort(grpc.StatusCode.CANCELLED, _STOPPING if self._stopping else (
-                f"{label}: the request message did not come within "
-                f"server.message_timeout_s={self.message_timeout_s:g}s"))
+            if self._stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+            context.abort(grpc.StatusCode.CANCELLED, f"{label}: the request message did not "
+                          f"come within server.message_timeout_s={self.message_timeout_s:g}s")
         if request is None:  # (its caller ended its side without sending one)
             context.abort(grpc.StatusCode.UNIMPLEMENTED,
                           f'"/{label}" requires exactly one request message.')
@@ -307,13 +321,13 @@ class ServerInterceptor(grpc.ServerInterceptor):
                         self._idle.notify_all()
 
 
-def _cancel(context: grpc.ServicerContext, why: str) -> None:
-    """Cancel the call with status CANCELLED and `why` as its message, through gRPC's own
-    call object (the servicer context's `cancel` sends no message); plainly if that is
-    not there (another gRPC version)."""
+def _cancel(context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> None:
+    """End the call with `code` and `why` as its message, through gRPC's own call object
+    (the servicer context's `cancel` sends CANCELLED and no message); plainly cancelled if
+    that is not there (another gRPC version)."""
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
     try:
-        call.cancel(grpc.StatusCode.CANCELLED.value[0], why)  # type: ignore[union-attr]
+        call.cancel(code.value[0], why)  # type: ignore[union-attr]
     except Exception:  # (AttributeError, TypeError: not the call object we know)
         context.cancel()
 

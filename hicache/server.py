@@ -52,7 +52,7 @@ WORKERS = 32  # server threads started with the daemon (`hicache.server_pool`)
 # started): a call waiting for its request message (a slow or stopped sender, for up to
 # `server.message_timeout_s`) holds a thread, and calls that come meanwhile must find one.
 MAX_WORKERS = 256
-MAX_HEALTH_WATCHES = 4  # of the WORKERS threads, at most this many held by health Watch streams
+MAX_HEALTH_WATCHES = 4  # per listener, at most this many server threads held by health Watch streams
 MAX_REFLECTION_STREAMS = 2  # ... and by server reflection streams
 STOP_GRACE_S = 5.0
 STOP_SLACK_S = 1.0  # how long past the grace period a stop waits for gRPC's own end
@@ -81,14 +81,12 @@ class HealthServicer(health.HealthServicer):
     Watch needs no token, so 32 of them from anyone who can connect stalled every call."""
 
     def __init__(self, max_watches: int = MAX_HEALTH_WATCHES) -> None:
-        super().__init__()
+        super().__init__(experimental_non_blocking=False)
         self._max_watches = max_watches
         self._watch_slots = threading.BoundedSemaphore(max_watches)
 
-    def Watch(self, request: Any, context: grpc.ServicerContext,
-              send_response_callback: Any = None) -> Any:
-        if send_response_callback is not None:  # (the non-blocking form holds no thread)
-            return super().Watch(request, context, send_response_callback)
+    def Watch(self, request: Any, context: grpc.ServicerContext) -> Any:
+        # (served through the interceptor, always in the blocking form: a thread a stream)
         if not self._watch_slots.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"grpc.health.v1: at most {self._max_watches} Watch streams at once "
@@ -154,6 +152,8 @@ class Daemon:
         # answers anyone who reaches its port: they must not take the main listener's).
         self.probe_health = HealthServicer()
         self._stop = threading.Event()
+        self._reads_stop = threading.Event()
+        self._reads: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
         self._lease_period_s = cfg.server.lease_ms / 3e3  # (the client heartbeats as often)
         self._last_lease_sweep = time.monotonic()
@@ -198,7 +198,8 @@ class Daemon:
         self.probe_server: grpc.Server | None = None
         # (the probe listener answers health checks to anyone who reaches its port: its
         # calls' messages are bounded alike, and its pool grows the same way)
-        self.probe_interceptor = ServerInterceptor(Authenticator(()), None, cfg.server.message_timeout_s)
+        self.probe_interceptor = ServerInterceptor(Authenticator(()), None, cfg.server.message_timeout_s,
+                                                   listener="probe listener")
         self.metrics_port = 0
 
     def start(self) -> None:
@@ -228,7 +229,9 @@ class Daemon:
             ) from None
         self._every("leases", self._lease_period_s, self._sweep_leases)
         self._every("health", HEALTH_REFRESH_S, self._refresh_health)
-        self._every("reads", self.interceptor.read_check_s, self._expire_reads)
+        # (until the probe listener stops, the stop's last step: it serves through the flush)
+        self._reads = self._every("reads", self.interceptor.read_check_s, self._expire_reads,
+                                  until=self._reads_stop)
 
     def _bind(self) -> None:
         target = self.endpoint.target
@@ -288,9 +291,14 @@ class Daemon:
         self.interceptor.expire_reads()
         self.probe_interceptor.expire_reads()
 
-    def _every(self, name: str, interval_s: float, fn: Callable[[], object]) -> None:
+    def _every(self, name: str, interval_s: float, fn: Callable[[], object],
+               until: threading.Event | None = None) -> threading.Thread:
+        """Run `fn` every `interval_s` on a thread of its own, until `until` (default: the
+        stop's first step; the stop joins those threads)."""
+        stop = self._stop if until is None else until
+
         def loop() -> None:
-            while not self._stop.wait(interval_s):
+            while not stop.wait(interval_s):
                 try:
                     fn()
                 except Exception:  # housekeeping must outlive one failure
@@ -298,7 +306,9 @@ class Daemon:
 
         thread = threading.Thread(target=loop, name=f"hicache-{name}", daemon=True)
         thread.start()
-        self._threads.append(thread)
+        if until is None:
+            self._threads.append(thread)
+        return thread
 
     def stop(self) -> None:
         """Stop accepting, finish in-flight calls, flush, close the core."""
@@ -339,6 +349,9 @@ class Daemon:
                 self.probe_server.stop(0)
             if self._probe_pool is not None:
                 self._probe_pool.shutdown(wait=False)
+            self._reads_stop.set()
+            if self._reads is not None:
+                self._reads.join(timeout=5)
 
 
 def longest_stop_s(cfg: HicacheConfig) -> float:
