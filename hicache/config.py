@@ -53,8 +53,8 @@ MAX_LEASE_MS = UINT32_MAX  # lease_ms is a uint32 in the protocol
 # At 10 ms, 1 request in 20 lapsed between heartbeats and the lease sweep took most of a
 # core; at 50 ms none lapsed (tests/daemon/test_limits_review.py).
 MIN_LEASE_MS = 100
-# A call's request message: under half a second, a loaded machine's stall of the reader
-# would cancel calls whose message came (tests/daemon/test_message_reads.py).
+# A call's request message: under half a second, a loaded machine stalling the reader
+# between its call's arrival and the read could cancel calls whose message had come.
 MIN_MESSAGE_TIMEOUT_S = 0.5
 MAX_MESSAGE_TIMEOUT_S = 86400.0
 MIN_MOONCAKE_SEGMENT = 16 << 20  # the least global segment Mooncake's setup accepts

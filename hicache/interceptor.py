@@ -120,7 +120,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
     def expire_reads(self, everything: bool = False) -> int:
         """Cancel the calls whose request message has not come within
         `message_timeout_s` (`everything`: all those waiting for one, at a stop); their
-        caller sees CANCELLED, with why. Returns how many."""
+        caller sees CANCELLED (UNAVAILABLE at a stop), with why. Returns how many."""
         now = time.monotonic()
         try:
             waiting = list(self._reading.items())

@@ -148,7 +148,7 @@ class Daemon:
         self.endpoint = endpoint
         self.metrics = Metrics(core)
         self.health = HealthServicer()
-        # The probe listener's: the same statuses (`_set_health`), its own Watch streams (it
+        # The probe listener's: the same statuses (`_refresh_health`), its own Watch streams (it
         # answers anyone who reaches its port: they must not take the main listener's).
         self.probe_health = HealthServicer()
         self._stop = threading.Event()
