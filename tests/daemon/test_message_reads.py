@@ -190,19 +190,25 @@ def test_the_server_pool_queues_calls_when_it_cannot_start_a_thread(
         pool.shutdown(wait=True)
 
 
+def occupy(pool: ServerPool, n: int) -> tuple[threading.Event, list[Any]]:
+    """`n` tasks holding threads of `pool` until the gate returned is set (their futures
+    too), returned once all `n` run at once."""
+    gate = threading.Event()
+    running = threading.Semaphore(0)
+
+    def hold() -> None:
+        running.release()
+        gate.wait(10)
+
+    held = [pool.submit(hold) for _ in range(n)]
+    assert all(running.acquire(timeout=10) for _ in range(n))
+    return gate, held
+
+
 def test_the_server_pool_grows_past_its_started_threads() -> None:
     pool = ServerPool(2, 6, "t-pool").start()
     try:
-        gate = threading.Event()
-        running = threading.Semaphore(0)
-
-        def hold() -> None:
-            running.release()
-            gate.wait(10)
-
-        for _ in range(6):
-            pool.submit(hold)
-        assert all(running.acquire(timeout=10) for _ in range(6))  # all 6 at once
+        gate, _ = occupy(pool, 6)  # (all 6 at once)
         gate.set()
     finally:
         pool.shutdown(wait=True)
@@ -260,15 +266,8 @@ def test_the_server_pool_shrinks_back_under_steady_traffic() -> None:
     retires."""
     pool = ServerPool(2, 16, "t-pool", idle_s=600.0).start()
     try:
-        gate = threading.Event()
-        running = threading.Semaphore(0)
-
-        def hold() -> None:
-            running.release()
-            gate.wait(10)
-
-        held = [pool.submit(hold) for _ in range(16)]
-        assert all(running.acquire(timeout=10) for _ in range(16)) and pool.threads == 16
+        gate, held = occupy(pool, 16)
+        assert pool.threads == 16
         gate.set()
         assert all(f.result(timeout=10) is None for f in held)
         # Of the 14 added, those finishing while 2 others were idle retired: at most 2 stay.
