@@ -37,6 +37,8 @@ for _cls in (
 _BY_CODE["DEADLINE_EXCEEDED"] = errors.Unavailable
 _BY_CODE["CANCELLED"] = errors.Unavailable
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+# What a call gRPC itself cancelled carries (the server's stop): no reason of the daemon's.
+_BARE_CANCEL = frozenset({"", "cancelled"})
 
 
 def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
@@ -44,7 +46,7 @@ def error_for(code: grpc.StatusCode, message: str) -> HicacheError:
     if cls is errors.Unavailable and code.name == "DEADLINE_EXCEEDED":
         return errors.NoAnswer(f"no answer in time ({message})")
     if cls is errors.Unavailable and code.name == "CANCELLED":
-        if "message_timeout_s" in message:  # (it gave up waiting for the request message)
+        if message.strip().lower() not in _BARE_CANCEL:  # (the daemon said why: that is it)
             return cls(f"the daemon ended the call: {message}")
         return cls(f"the daemon ended the call ({message or 'cancelled'}): it is stopping or restarting")
     if cls is None:

@@ -88,12 +88,14 @@ class ServerInterceptor(grpc.ServerInterceptor):
         self._auth = auth
         self._metrics = metrics
         self.message_timeout_s = message_timeout_s
+        self._late_grace_s = min(message_timeout_s, LATE_READ_GRACE_S)
         self.listener = listener
-        # Calls whose request message is being waited for: context -> (deadline, method).
+        # Calls whose request message is being waited for: context -> (deadline, arrival,
+        # method).
         # Whoever pops a call's entry first decides it: the reader (the message came) or
         # `expire_reads` (it is cancelled), so a message arriving at the deadline is
         # either served or refused, never served on a cancelled call.
-        self._reading: dict[Any, tuple[float, str]] = {}
+        self._reading: dict[Any, tuple[float, float, str]] = {}
         self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
         self._lock = threading.Lock()
         # Shutdown (`begin_stop`): calls that come meanwhile are refused UNAVAILABLE (the
@@ -128,7 +130,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return 0
         expired: list[str] = []
         code = grpc.StatusCode.UNAVAILABLE if everything else grpc.StatusCode.CANCELLED
-        for context, (deadline, label) in waiting:
+        for context, (deadline, arrival, label) in waiting:
             if (everything or deadline <= now) and self._reading.pop(context, None) is not None:
                 why = (_STOPPING if everything
                        else f"{label}: the request message did not come within "
@@ -136,7 +138,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 _cancel(context, code, why)  # (wakes the worker waiting for the message)
                 expired.append(label)
                 if self._metrics is not None:
-                    self._metrics.observe(label, code.name, now - deadline + self.message_timeout_s)
+                    self._metrics.observe(label, code.name, now - arrival)
         if expired and not everything:
             _unread.warning(
                 f"message-timeout:{self.listener}",
@@ -150,10 +152,10 @@ class ServerInterceptor(grpc.ServerInterceptor):
         """The call's one request message, waited for at most `message_timeout_s`."""
         reading = self._reading
         now = time.monotonic()
-        deadline = (submitted_at() or now) + self.message_timeout_s
-        if deadline < now + LATE_READ_GRACE_S:  # (queued that long: its message may be here)
-            deadline = max(deadline, now + min(self.message_timeout_s, LATE_READ_GRACE_S))
-        reading[context] = (deadline, label)
+        arrival = submitted_at() or now
+        # (a call queued almost that long: its message may be here already)
+        deadline = max(arrival + self.message_timeout_s, now + self._late_grace_s)
+        reading[context] = (deadline, arrival, label)
         try:
             request = next(requests, None)
         finally:

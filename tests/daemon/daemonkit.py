@@ -154,14 +154,19 @@ def scrape(port: int) -> str:
         return str(r.read().decode())
 
 
-def rpc_count(port: int, method: str, code: str) -> float:
-    """`hicache_rpc_seconds_count` of `method` (e.g. "hicache.v1.HiCache/MatchPrefix")
-    ending with `code`, 0 when there is none."""
+def rpc_count(port: int, method: str, code: str, series: str = "count") -> float:
+    """`hicache_rpc_seconds_count` (or `series` "sum": their seconds) of `method` (e.g.
+    "hicache.v1.HiCache/MatchPrefix") ending with `code`, 0 when there is none."""
     for line in scrape(port).splitlines():
-        if line.startswith("hicache_rpc_seconds_count{") and f'method="{method}"' in line \
+        if line.startswith(f"hicache_rpc_seconds_{series}{{") and f'method="{method}"' in line \
                 and f'code="{code}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def ser(message: Any) -> bytes:
+    """A protobuf message's bytes (the raw calls' request serializer)."""
+    return bytes(message.SerializeToString())
 
 
 @contextlib.contextmanager
@@ -174,7 +179,7 @@ def raw_calls(target: str, method: str, reply: Callable[[bytes], Any], stream: b
     channel = grpc.insecure_channel(target)
     made: list[Any] = []
     make = channel.stream_stream if stream else channel.stream_unary
-    multi = make(method, request_serializer=lambda m: m.SerializeToString(), response_deserializer=reply)
+    multi = make(method, request_serializer=ser, response_deserializer=reply)
 
     def call(messages: Iterator[Any]) -> Any:
         c = multi(messages) if stream else multi.future(messages)
@@ -193,6 +198,42 @@ def never(stop: threading.Event) -> Iterator[Any]:
     """A request stream whose message never comes (until `stop`, then none: it ends)."""
     stop.wait()
     yield from ()
+
+
+@contextlib.contextmanager
+def half_sent(target: str, method: str, reply: Callable[[bytes], Any]) -> Iterator[Callable[[], Any]]:
+    """`start()` begins a call on `target` that sends its headers and never its message
+    (until the block ends: then its caller half-closes); the calls are cancelled at the end."""
+    stop = threading.Event()
+    with raw_calls(target, method, reply) as call:
+        try:
+            yield lambda: call(never(stop))
+        finally:
+            stop.set()
+
+
+class Aborted(Exception):
+    """What `StandInContext.abort` raises (gRPC's own ends the call)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+
+class StandInContext:
+    """A servicer context of one call, for the interceptor driven in-process: records a
+    cancel (it has no `_rpc_event`, so the interceptor's `_cancel` falls back to `cancel`)
+    and raises `Aborted` on `abort`."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
 
 
 def load_and_verify(c: Client, oracle: KvOracle, prompt: bytes, page: int = PAGE) -> int:

@@ -31,7 +31,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -41,7 +40,9 @@ from hicache.errors import HicacheError, ResourceExhausted
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.server import WORKERS
 
-from .daemonkit import PAGE, Daemon, eventually, pool, tokens
+from .daemonkit import PAGE, Daemon, eventually, half_sent, pool, tokens
+
+MATCH = "/hicache.v1.HiCache/MatchPrefix"
 
 L1_PAGES = 64  # tiers.l1.tokens below; L2 holds twice that, the prefetch budget a quarter
 MAX_TOKENS = 65536  # server.max_tokens_per_request
@@ -408,7 +409,9 @@ def test_half_sent_requests_do_not_stall_other_engines(fair: Daemon, good: Clien
     c = fair.client(engine_id="good-2", timeout_s=2.0, retries=0)
     c.attach()
     try:
-        with half_sent(fair.target, WORKERS + 8):
+        with half_sent(fair.target, MATCH, pb.MatchPrefixResponse.FromString) as start:
+            for _ in range(WORKERS + 8):
+                start()
             time.sleep(0.5)
             lat = [request_life(c, i, base=4_000_000) for i in range(5)]  # (NoAnswer after 2 s)
             assert served(lat), lat
@@ -417,32 +420,6 @@ def test_half_sent_requests_do_not_stall_other_engines(fair: Daemon, good: Clien
         # (the threads come back once the calls are cancelled)
         assert eventually(lambda: request_life(good, 0) < BOUND_S, 10)
     recovered(good, base)
-
-
-@contextlib.contextmanager
-def half_sent(target: str, n: int) -> Iterator[list[Any]]:
-    """`n` MatchPrefix calls on one connection whose request message never comes (HEADERS
-    sent, no DATA), cancelled after the block; yields their futures."""
-    channel = grpc.insecure_channel(target)
-    half = channel.stream_unary(
-        "/hicache.v1.HiCache/MatchPrefix",
-        request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=pb.MatchPrefixResponse.FromString,
-    )
-    stop = threading.Event()
-
-    def never() -> Iterator[pb.MatchPrefixRequest]:
-        stop.wait()
-        yield from ()
-
-    calls = [half.future(never(), timeout=30) for _ in range(n)]
-    try:
-        yield calls
-    finally:
-        stop.set()
-        for call in calls:
-            call.cancel()
-        channel.close()
 
 
 TOKEN = "fairness-review-token-0123456789"
@@ -454,8 +431,9 @@ def test_half_sent_requests_without_a_token_hold_no_server_threads(
     on their headers (UNAUTHENTICATED, before their message would be read), so they hold
     no worker: an engine with its token is served as usual meanwhile."""
     d = make_daemon(f"server.tokens=[{{token: {TOKEN}, namespaces: ['*']}}]")
-    with half_sent(d.target, WORKERS + 8) as calls, \
+    with half_sent(d.target, MATCH, pb.MatchPrefixResponse.FromString) as start, \
             d.client(engine_id="good-3", token=TOKEN, timeout_s=2.0, retries=0) as c:
+        calls = [start() for _ in range(WORKERS + 8)]
         c.attach()
         time.sleep(0.5)
         lat = [request_life(c, i) for i in range(5)]

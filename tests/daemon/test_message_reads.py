@@ -27,7 +27,18 @@ from hicache.interceptor import ServerInterceptor
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.server_pool import ServerPool, submitted_at
 
-from .daemonkit import Daemon, eventually, free_port, never, raw_calls, rpc_count, tokens
+from .daemonkit import (
+    Aborted,
+    Daemon,
+    StandInContext,
+    eventually,
+    free_port,
+    half_sent,
+    raw_calls,
+    rpc_count,
+    ser,
+    tokens,
+)
 
 MATCH = "/hicache.v1.HiCache/MatchPrefix"
 LOAD = "/hicache.v1.HiCache/Load"
@@ -43,19 +54,19 @@ def test_a_call_whose_message_never_comes_is_cancelled_at_the_timeout(
         make_daemon: Callable[..., Daemon]) -> None:
     port = free_port()
     d = make_daemon("server.message_timeout_s=1", f"metrics.port={port}")
-    stop = threading.Event()
-    with raw_calls(d.target, MATCH, pb.MatchPrefixResponse.FromString) as call:
+    with half_sent(d.target, MATCH, pb.MatchPrefixResponse.FromString) as start:
         t0 = time.monotonic()
-        calls = [call(never(stop)) for _ in range(3)]
+        calls = [start() for _ in range(3)]
         for c in calls:
             err = c.exception(timeout=30)
             assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
         took = time.monotonic() - t0
-        stop.set()
     assert 0.95 < took < 20, took  # (the timeout, plus at most one check period, plus a loaded machine)
     assert eventually(lambda: "server.message_timeout_s=1s" in d.log(), 10), d.log()
     assert "hicache.v1.HiCache/MatchPrefix" in d.log()
     assert rpc_count(port, "hicache.v1.HiCache/MatchPrefix", "CANCELLED") == 3
+    # (each measured from its arrival: at least the timeout)
+    assert rpc_count(port, "hicache.v1.HiCache/MatchPrefix", "CANCELLED", "sum") >= 3 * 0.95
     with d.client(engine_id="after") as c:  # and the daemon serves as before
         c.attach()
         m = c.match(tokens(64, start=7_000_000), allocate_tokens=64)
@@ -103,12 +114,11 @@ def test_the_probe_listener_answers_while_its_threads_wait_for_messages(
     at the timeout."""
     probe = free_port()
     d = make_daemon(f"server.probe_listen=127.0.0.1:{probe}", "server.message_timeout_s=8")
-    stop = threading.Event()
-    with raw_calls(f"127.0.0.1:{probe}", CHECK, health_pb2.HealthCheckResponse.FromString) as call:
-        calls = [call(never(stop)) for _ in range(6)]
+    with half_sent(f"127.0.0.1:{probe}", CHECK, health_pb2.HealthCheckResponse.FromString) as start:
+        calls = [start() for _ in range(6)]
         time.sleep(0.3)
         with grpc.insecure_channel(f"127.0.0.1:{probe}") as channel:
-            check = channel.unary_unary(CHECK, request_serializer=lambda m: m.SerializeToString(),
+            check = channel.unary_unary(CHECK, request_serializer=ser,
                                         response_deserializer=health_pb2.HealthCheckResponse.FromString)
             t0 = time.monotonic()
             assert check(health_pb2.HealthCheckRequest(), timeout=10).status == \
@@ -117,38 +127,17 @@ def test_the_probe_listener_answers_while_its_threads_wait_for_messages(
         for c in calls:
             err = c.exception(timeout=30)
             assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
-        stop.set()
     assert eventually(lambda: "grpc.health.v1.Health/Check" in d.log(), 10), d.log()
 
 
 # --------------------------------------------------------------------------- in-process
 
 
-class _Context:
-    """A stand-in for the servicer context of one call: records what the interceptor does."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)
-        self.code = code
-        self.details = details
-
-
 def test_a_message_that_comes_as_the_timeout_expires_it_is_not_served() -> None:
     """The read and `expire_reads` race for the call: when the expiry wins, the call is
     cancelled and its handler never runs, even if the message came just after."""
     interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=1e-9)
-    context = _Context()
+    context = StandInContext()
     served: list[Any] = []
 
     def messages() -> Iterator[Any]:
@@ -156,7 +145,7 @@ def test_a_message_that_comes_as_the_timeout_expires_it_is_not_served() -> None:
         assert interceptor.expire_reads() == 1  # (the timeout passed while we "waited")
         yield "request"
 
-    with pytest.raises(_Aborted) as info:
+    with pytest.raises(Aborted) as info:
         served.append(interceptor._read("svc/Method", messages(), context))
     assert info.value.code is grpc.StatusCode.CANCELLED and context.cancelled and not served
     assert "message_timeout_s" in info.value.details
@@ -165,7 +154,7 @@ def test_a_message_that_comes_as_the_timeout_expires_it_is_not_served() -> None:
 
 def test_a_message_read_in_time_is_not_cancelled_later() -> None:
     interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=0.01)
-    context = _Context()
+    context = StandInContext()
     assert interceptor._read("svc/Method", iter(["request"]), context) == "request"
     time.sleep(0.02)
     assert interceptor.expire_reads() == 0 and not context.cancelled
@@ -287,4 +276,6 @@ def test_the_client_reads_a_message_timeout_as_unavailable_without_blaming_a_sto
     err = error_for(grpc.StatusCode.CANCELLED, why)
     assert isinstance(err, Unavailable) and why in str(err) and "stopping" not in str(err), err
     stop = error_for(grpc.StatusCode.CANCELLED, "the daemon is shutting down; call again once it is back")
-    assert isinstance(stop, Unavailable) and "stopping or restarting" in str(stop)
+    assert isinstance(stop, Unavailable) and "shutting down" in str(stop)  # (its own words)
+    bare = error_for(grpc.StatusCode.CANCELLED, "Cancelled")  # (gRPC's own, at a stop)
+    assert isinstance(bare, Unavailable) and "stopping or restarting" in str(bare)

@@ -18,7 +18,6 @@ while calls wait for their messages).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -35,7 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 
-from .daemonkit import Daemon, eventually, free_port, never, raw_calls, rpc_count, scrape, tokens
+from .daemonkit import Daemon, eventually, free_port, half_sent, rpc_count, scrape, ser, tokens
 
 MATCH = "/hicache.v1.HiCache/MatchPrefix"
 CHECK = "/grpc.health.v1.Health/Check"
@@ -43,24 +42,8 @@ WATCH = "/grpc.health.v1.Health/Watch"
 MiB = 1 << 20
 
 
-def _ser(m: Any) -> bytes:
-    return bytes(m.SerializeToString())
-
-
-@contextlib.contextmanager
-def half_sent(target: str, method: str, reply: Callable[[bytes], Any]) -> Iterator[Callable[[], Any]]:
-    """`start()` begins a call on `target` that sends its headers and never its message
-    (until the block ends: then its caller half-closes); the calls are cancelled at the end."""
-    stop = threading.Event()
-    with raw_calls(target, method, reply) as call:
-        try:
-            yield lambda: call(never(stop))
-        finally:
-            stop.set()
-
-
 def _watch(channel: grpc.Channel) -> Any:
-    return channel.unary_stream(WATCH, request_serializer=_ser,
+    return channel.unary_stream(WATCH, request_serializer=ser,
                                 response_deserializer=health_pb2.HealthCheckResponse.FromString)(
         health_pb2.HealthCheckRequest(), timeout=60)
 
@@ -171,7 +154,7 @@ def test_the_probe_listener_answers_kubelet_under_more_half_sent_checks_than_its
         calls = [start() for _ in range(64)]
         time.sleep(1.5)  # (their headers are in: the probe's 32 threads wait for messages)
         with grpc.insecure_channel(f"127.0.0.1:{probe}") as kubelet:
-            check = kubelet.unary_unary(CHECK, request_serializer=_ser,
+            check = kubelet.unary_unary(CHECK, request_serializer=ser,
                                         response_deserializer=health_pb2.HealthCheckResponse.FromString)
             try:
                 reply = check(health_pb2.HealthCheckRequest(), timeout=4)
@@ -206,7 +189,7 @@ def test_status_codes_a_caller_saw_before_are_kept(daemon: Daemon) -> None:
         with pytest.raises(grpc.RpcError) as huge:
             raw(b"\x0a" + b"\x00" * (16 * MiB), timeout=30)  # (over 4 x 8192 tokens + 1 MiB)
         assert huge.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, huge.value
-        two = channel.stream_unary(MATCH, request_serializer=_ser,
+        two = channel.stream_unary(MATCH, request_serializer=ser,
                                    response_deserializer=pb.MatchPrefixResponse.FromString)
         request = pb.MatchPrefixRequest(tokens=tokens(64, start=9_100_000))
         reply = two(iter([request, request]), timeout=30)
@@ -227,7 +210,7 @@ def test_a_caller_that_gives_up_waiting_is_neither_counted_nor_logged_as_a_timeo
         yield from ()
 
     with grpc.insecure_channel(d.target) as channel:
-        multi = channel.stream_unary(MATCH, request_serializer=_ser,
+        multi = channel.stream_unary(MATCH, request_serializer=ser,
                                      response_deserializer=pb.MatchPrefixResponse.FromString)
         cancelled = multi.future(never())
         expiring = multi.future(never(), timeout=0.3)

@@ -34,7 +34,7 @@ from hicache.auth import Authenticator
 from hicache.interceptor import ServerInterceptor
 from hicache.server_pool import ServerPool, submitted_at
 
-from .daemonkit import TINY, eventually
+from .daemonkit import TINY, Aborted, StandInContext, eventually
 
 WAIT = 10.0  # (a bound nothing should reach; the machine is loaded)
 _names = itertools.count()
@@ -206,34 +206,15 @@ def test_a_stopped_daemon_leaves_no_server_threads(tmp_path: Path) -> None:
     assert eventually(lambda: not pool_threads(), WAIT), f"{len(pool_threads())} left"
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, details)
-        self.code = code
-        self.details = details
-
-
-class _Context:
-    """A servicer context stand-in (no `_rpc_event`: `_cancel` falls back to `cancel`)."""
-
-    cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
-
-
 def test_a_read_cancelled_by_a_stop_says_the_daemon_stops() -> None:
     interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=30.0)
-    context = _Context()
+    context = StandInContext()
 
     def messages() -> Iterator[Any]:
         interceptor.begin_stop()  # (the SIGTERM, while the message was on its way)
         yield "request"
 
-    with pytest.raises(_Aborted) as info:
+    with pytest.raises(Aborted) as info:
         interceptor._read("svc/Method", messages(), context)
     # (UNAVAILABLE, the contract's code for a daemon shutting down: a session-29 review)
     assert info.value.code is grpc.StatusCode.UNAVAILABLE and context.cancelled

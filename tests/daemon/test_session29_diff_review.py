@@ -5,7 +5,7 @@ one-message request streams read within `server.message_timeout_s`, the growing
 Each test here is a problem it found, fixed (each was a strict xfail):
 - at a stop, a call whose request message is on its way is ended CANCELLED, where the
   contract (`../shared/API.md`: "UNAVAILABLE (shutting down)") and the code before
-  (`_served` refused it once read) say UNAVAILABLE: a gRPC retry policy retrying
+  (`served` refused it once read) say UNAVAILABLE: a gRPC retry policy retrying
   UNAVAILABLE (any engine not using `hicache.client`) does not retry it;
 - the probe listener stops cancelling half-sent calls once a stop begins (the "reads"
   loop ends with the other housekeeping at `Daemon.stop`'s first line), yet it serves on,
@@ -39,16 +39,12 @@ from hicache.interceptor import ServerInterceptor
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 from hicache.server_pool import ServerPool
 
-from .daemonkit import TINY, Daemon, eventually, free_port, never, raw_calls
+from .daemonkit import TINY, Aborted, Daemon, StandInContext, eventually, free_port, half_sent, ser
 
 STATS = "/hicache.v1.HiCache/Stats"
 CHECK = "/grpc.health.v1.Health/Check"
 WAIT = 15.0  # a bound nothing should reach (a loaded machine)
 _names = itertools.count()
-
-
-def _ser(m: Any) -> bytes:
-    return bytes(m.SerializeToString())
 
 
 class _InProcess:
@@ -121,7 +117,7 @@ def test_a_call_whose_message_is_on_its_way_at_a_stop_is_refused_unavailable(
         yield pb.StatsRequest()
 
     with grpc.insecure_channel(d.target) as channel:
-        call = channel.stream_unary(STATS, request_serializer=_ser,
+        call = channel.stream_unary(STATS, request_serializer=ser,
                                     response_deserializer=pb.StatsResponse.FromString)
         future = call.future(slow_message(), timeout=WAIT * 2)
         # Its thread waits for its message in `_read`.
@@ -142,24 +138,22 @@ def test_the_probe_listener_cancels_half_sent_calls_while_the_daemon_flushes(
     d.stop_in_background()
     assert d.flushing.wait(WAIT), "the stop never reached its flush"
     with grpc.insecure_channel(probe) as kubelet:
-        check = kubelet.unary_unary(CHECK, request_serializer=_ser,
+        check = kubelet.unary_unary(CHECK, request_serializer=ser,
                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
         # (pinned: the probe listener answers NOT_SERVING during the flush)
         assert check(health_pb2.HealthCheckRequest(), timeout=WAIT).status == \
             health_pb2.HealthCheckResponse.NOT_SERVING
-    stop = threading.Event()
     try:
-        with raw_calls(probe, CHECK, health_pb2.HealthCheckResponse.FromString) as call:
-            half_sent = call(never(stop))
+        with half_sent(probe, CHECK, health_pb2.HealthCheckResponse.FromString) as start:
+            call = start()
             # 0.5 s timeout: cancelled within a second or two, were it guarded.
             try:
-                err = half_sent.exception(timeout=10)
+                err = call.exception(timeout=10)
             except grpc.FutureTimeoutError:
                 pytest.fail("a half-sent Check on the probe listener was not cancelled "
                             "10 s into the stop's flush (message_timeout_s=0.5)")
             assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
     finally:
-        stop.set()
         d.flush_gate.set()
 
 
@@ -167,17 +161,13 @@ def test_a_message_timeout_on_the_probe_listener_is_logged_naming_that_listener(
         make_daemon: Callable[..., Daemon]) -> None:
     probe = f"127.0.0.1:{free_port()}"
     d = make_daemon(f"server.probe_listen={probe}", "server.message_timeout_s=0.5")
-    stop = threading.Event()
-    try:
-        with raw_calls(d.target, STATS, pb.StatsResponse.FromString) as main:
-            err = main(never(stop)).exception(timeout=WAIT)
-            assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
-        assert eventually(lambda: "HiCache/Stats" in d.log(), WAIT), d.log()
-        with raw_calls(probe, CHECK, health_pb2.HealthCheckResponse.FromString) as side:
-            err = side(never(stop)).exception(timeout=WAIT)
-            assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
-    finally:
-        stop.set()
+    with half_sent(d.target, STATS, pb.StatsResponse.FromString) as main:
+        err = main().exception(timeout=WAIT)
+        assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
+    assert eventually(lambda: "HiCache/Stats" in d.log(), WAIT), d.log()
+    with half_sent(probe, CHECK, health_pb2.HealthCheckResponse.FromString) as side:
+        err = side().exception(timeout=WAIT)
+        assert err is not None and err.code() is grpc.StatusCode.CANCELLED, err
 
     def probe_timeout_logged() -> bool:
         return any("Health/Check" in line and "probe" in line.lower()
@@ -186,24 +176,12 @@ def test_a_message_timeout_on_the_probe_listener_is_logged_naming_that_listener(
     assert eventually(probe_timeout_logged, 5), d.log()
 
 
-class _Context:
-    """A servicer context stand-in (no `_rpc_event`: `_cancel` falls back to `cancel`)."""
-
-    cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise grpc.RpcError(f"{code.name}: {details}")
-
-
-def test_a_call_queued_past_its_deadline_whose_message_came_is_served() -> None:
+def test_a_call_queued_past_its_deadline_whose_message_came_isserved() -> None:
     interceptor = ServerInterceptor(Authenticator(()), None, message_timeout_s=0.5)
     pool = ServerPool(1, 1, f"s29r{next(_names)}").start()  # (a pool that cannot grow)
     busy = threading.Event()
     released = threading.Event()
-    context = _Context()
+    context = StandInContext()
 
     def delivered() -> Iterator[Any]:
         # gRPC's poller hands the message (here since the call's arrival) to the reader;
@@ -223,7 +201,7 @@ def test_a_call_queued_past_its_deadline_whose_message_came_is_served() -> None:
         released.set()
         try:
             got = queued.result(timeout=WAIT)
-        except grpc.RpcError as e:
+        except Aborted as e:
             pytest.fail(f"a call whose message came with it was refused: {e}")
         assert got == "request" and not context.cancelled
     finally:
