@@ -38,6 +38,7 @@ from hicache.controller.base import (
     StatsSnapshot,
 )
 from hicache.controller.engines import AllocationRecord, Engine, EngineRegistry, LockRecord
+from hicache.controller.loads import Loads
 from hicache.controller.prefetch import Prefetcher, PrefetchOp
 from hicache.controller.storage_io import L3Store
 from hicache.controller.transfers import Transfers
@@ -111,6 +112,7 @@ class HybridCacheController(CacheService):
         self._engines = EngineRegistry(cfg.server.lease_ms / 1000)
         self._prefetch_of_lock: dict[int, int] = {}
         self.transfers = Transfers(self, copier)
+        self.loads = Loads(self, self.transfers)
         self.prefetcher = Prefetcher(self)
         self.probe_interval_s = 0.5
         self._stop = threading.Event()
@@ -182,6 +184,7 @@ class HybridCacheController(CacheService):
             self._prober.join(timeout=max(0.0, deadline - time.monotonic()))
         self.prefetcher.close(deadline)
         self.transfers.close(deadline)
+        self.loads.close()
         self.transfers.copier.close()  # it holds views of both pools: before they close
         host_free = True
         if self.l3 is not None:
@@ -533,7 +536,7 @@ class HybridCacheController(CacheService):
         limit = self.cfg.server.max_tokens_per_request
         most = -(-limit // self._ps)
         kind = self._paged[0]
-        held = (len(record.pages[kind]) + self.transfers.lent_from(record)
+        held = (len(record.pages[kind]) + self.loads.lent_from(record)
                 + sum(len(ids) for ids in record.retired.get(kind, ())))
         more = -(-num_tokens // self._ps)
         if held + more > most:
@@ -735,13 +738,13 @@ class HybridCacheController(CacheService):
             self._engines.renew(engine_id)
             record = self._engines.lock(engine_id, lock_id)
             self._request_moves_on(lock_id)
-            op = self.transfers.plan_load(record.tree_lock, self._lendable_allocation(record))
-        yield from self.transfers.run_load(op, record.tree_lock)
+            op = self.loads.plan_load(record.tree_lock, self._lendable_allocation(record))
+        yield from self.loads.run_load(op, record.tree_lock)
 
     def _lendable_allocation(self, record: LockRecord) -> AllocationRecord | None:
         """The allocation the lock's match made, while it still starts at the lock's
         device boundary (caller holds the mutex): its first pages stand for the L2 part
-        a Load brings (`Transfers.plan_load`)."""
+        a Load brings (`Loads.plan_load`)."""
         if not record.allocation_id:
             return None
         try:
@@ -787,7 +790,7 @@ class HybridCacheController(CacheService):
             # In L1, pages held by allocations and by running loads are not evictable:
             # counted as locked.
             held = self._engines.held_pages()
-            loading = {kind: sum(len(ids) for ids in self.transfers.loading_pages(kind))
+            loading = {kind: sum(len(ids) for ids in self.loads.loading_pages(kind))
                        for kind in self._kinds}
             for tier, pools_obj in ((Tier.DEVICE, self.device), (Tier.HOST, self.host)):
                 for member in self.cfg.model.members:

@@ -27,7 +27,7 @@ import numpy as np
 
 from hicache.auth import tenant_of_config
 from hicache.controller.base import PrefetchInfo, PrefetchState
-from hicache.controller.transfers import L1Move
+from hicache.controller.loads import L1Move
 from hicache.controller.workers import Job, Worker
 from hicache.errors import BackendTimedOut, BackendUnavailable, ResourceExhausted
 from hicache.keys import PAGE_HASH_BYTES, split_hashes
@@ -553,7 +553,7 @@ class Prefetcher:
         while node is not None and tree.depth_tokens(tree.parent_of(node)) >= first_token:
             nodes.append(node)
             node = tree.parent_of(node)
-        moves = self.ctl.transfers.plan_to_free_l1(nodes[::-1])
+        moves = self.ctl.loads.plan_to_free_l1(nodes[::-1])
         if moves is None:
             op.to_l1 = False
             self.ctl.counters["prefetch_to_l1_no_room"] += 1
@@ -569,7 +569,7 @@ class Prefetcher:
         runs them first in, first out, and the inline one waits for those before it."""
         if inline:
             try:
-                self.ctl.transfers.copy_to_l1(moves)
+                self.ctl.loads.copy_to_l1(moves)
             except Exception:
                 log.exception("prefetch %d: copy to L1 failed", op.op_id)
                 self._l1_done(op, moves, copied=False)
@@ -581,7 +581,7 @@ class Prefetcher:
             return
 
         def run() -> None:
-            self.ctl.transfers.copy_to_l1(moves)  # raises: the worker gives up, nothing lands
+            self.ctl.loads.copy_to_l1(moves)  # raises: the worker gives up, nothing lands
             self._l1_done(op, moves, copied=True)
 
         job = Job(f"prefetch-{op.op_id}-to-l1", run, lambda _e: self._l1_done(op, moves, copied=False))
@@ -601,7 +601,7 @@ class Prefetcher:
             try:
                 if copied and not op.l1_broken:
                     want = sum(len(dev) for _, kind, _, dev in moves if kind is FULL)
-                    landed = transfers.land_in_l1(moves)
+                    landed = self.ctl.loads.land_in_l1(moves)
                     self.ctl.counters["prefetch_pages_to_l1"] += landed
                     if landed < want:
                         op.l1_broken = True

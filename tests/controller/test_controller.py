@@ -159,7 +159,7 @@ def test_only_the_final_load_message_reports_every_layer(make, monkeypatch) -> N
     client makes it device_pages={} and device_tokens=0). Only the final message says so."""
     ctl, eng, m, _gate = matched_in_l2_with_gated_load(make)
     _gate.set()
-    real = ctl.transfers.copy_to_l1
+    real = ctl.loads.copy_to_l1
     landed, finish = threading.Event(), threading.Event()
 
     def copy_then_linger(moves, on_layer):  # type: ignore[no-untyped-def]
@@ -167,7 +167,7 @@ def test_only_the_final_load_message_reports_every_layer(make, monkeypatch) -> N
         landed.set()
         assert finish.wait(10)  # ... before the copy is done
 
-    monkeypatch.setattr(ctl.transfers, "copy_to_l1", copy_then_linger)
+    monkeypatch.setattr(ctl.loads, "copy_to_l1", copy_then_linger)
     messages: list = []
     reader = threading.Thread(target=lambda: messages.extend(ctl.load("e1", m.lock_id)))
     reader.start()
@@ -388,7 +388,7 @@ def test_a_load_that_leaves_a_window_behind_fails_instead_of_reporting_the_bound
     evict_all(ctl, Tier.DEVICE)
     m = ctl.match("e1", MatchRequest("", tokens, lock=True))
     assert m.host_tokens == 16
-    real = ctl.transfers.land_in_l1
+    real = ctl.loads.land_in_l1
 
     def without_swa(moves, unlanded=None):
         for _, kind, _, dev in moves:
@@ -396,10 +396,10 @@ def test_a_load_that_leaves_a_window_behind_fails_instead_of_reporting_the_bound
                 (unlanded or ctl.transfers.free_l1)(kind, dev)
         return real([move for move in moves if move[1] is not ComponentKind.SWA], unlanded)
 
-    ctl.transfers.land_in_l1 = without_swa  # type: ignore[method-assign]
+    ctl.loads.land_in_l1 = without_swa  # type: ignore[method-assign]
     with pytest.raises(FailedPrecondition, match="match again"):
         list(ctl.load("e1", m.lock_id))
-    ctl.transfers.land_in_l1 = real  # type: ignore[method-assign]
+    ctl.loads.land_in_l1 = real  # type: ignore[method-assign]
     ctl.release("e1", m.lock_id, None)
     assert ctl.match("e1", MatchRequest("", tokens)).device_tokens == 0  # never claimed
     ctl.check_integrity()

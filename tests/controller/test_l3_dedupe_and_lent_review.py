@@ -267,7 +267,7 @@ def grow(ctl, m, pages: int):  # type: ignore[no-untyped-def]
 
 def lent_of(ctl, m) -> int:  # type: ignore[no-untyped-def]
     with ctl._mu:
-        return ctl.transfers.lent_from(ctl._engines.allocation("e1", m.allocation_id))
+        return ctl.loads.lent_from(ctl._engines.allocation("e1", m.allocation_id))
 
 
 @pytest.mark.parametrize("end", ["lands", "lock_released", "fails"])

@@ -3,7 +3,7 @@ starts past the allocation's start.
 
 A hybrid match's device boundary may lie below FULL pages L1 still holds (no MAMBA
 checkpoint there, or an SWA window missing): the allocation (from the boundary on)
-covers them, the load does not. `Transfers._lendable` now accepts a FULL run starting
+covers them, the load does not. `Loads._lendable` now accepts a FULL run starting
 at page `lo > 0` of the allocation; `_borrow` takes the allocation's pages up to the
 run's end and those before it are `unused` (retired with the allocation at landing).
 
@@ -41,7 +41,7 @@ from engine_sim import (
     tree_path,
 )
 
-import hicache.controller.transfers as transfers_mod
+import hicache.controller.loads as loads_mod
 from hicache.controller.base import AllocateRequest, InsertRequest, MatchRequest
 from hicache.errors import InvalidArgument, NotFound
 from hicache.types import ComponentKind, Tier
@@ -450,7 +450,7 @@ def test_an_allocation_never_outgrows_the_request_limit_through_a_lent_load(make
     rec = allocation(ctl, "e1", m.allocation_id)
     held = len(rec.pages[FULL]) + sum(len(ids) for ids in rec.retired.get(FULL, []))
     with ctl._mu:
-        assert ctl.transfers.lent_from(rec) == 0  # (the failed load gave its pages back)
+        assert ctl.loads.lent_from(rec) == 0  # (the failed load gave its pages back)
     try:
         assert held <= 16, f"the allocation holds {held} pages, at most 16"
     finally:
@@ -502,7 +502,7 @@ def test_a_second_load_of_the_lock_during_an_offset_lent_load(make, monkeypatch)
     """Two streams of one lock (e.g. a retry): the first lends, the second (after the
     wait for the first's copy) copies into pages of its own; whichever lands first, the
     request inserts byte-exact and every page is freed once."""
-    monkeypatch.setattr(transfers_mod, "LOAD_WAIT_S", 0.05)
+    monkeypatch.setattr(loads_mod, "LOAD_WAIT_S", 0.05)
     ctl = hybrid(make)
     eng = Engine(ctl)
     p = head_in_l1(ctl, eng, 11000)

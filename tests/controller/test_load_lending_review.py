@@ -2,7 +2,7 @@
 
 A locked `MatchPrefix(allocate_tokens=...)` allocates from the device boundary on, the
 L2 part included; `Load` now copies that part into the allocation's first pages
-(`Transfers.plan_load(lock, lend)`, `_borrow`, `give_back`, `LentPages`) and the
+(`Loads.plan_load(lock, lend)`, `_borrow`, `give_back`, `LentPages`) and the
 allocation goes on after them. Each controller is audited for page ownership at the
 end (`built_controllers`)."""
 

@@ -140,14 +140,14 @@ def test_batches_land_in_order_when_the_worker_is_slower_than_the_last_batch(mak
         return real(kind, host, dev, on_layer=on_layer)
 
     monkeypatch.setattr(copier, "host_to_device", slow_on_the_worker)
-    land = ctl.transfers.land_in_l1
+    land = ctl.loads.land_in_l1
 
     def audited(moves, unlanded=None):
         landed = land(moves, unlanded)
         ctl.tree.check_integrity()  # raises on an L1 node under a parent outside L1
         return landed
 
-    monkeypatch.setattr(ctl.transfers, "land_in_l1", audited)
+    monkeypatch.setattr(ctl.loads, "land_in_l1", audited)
     prefetch_back(ctl, tokens)
     assert ctl.stats().counters["prefetch_pages_to_l1"] == 7
     m = ctl.match("e1", MatchRequest("", tokens))

@@ -257,7 +257,7 @@ def _stress(make, seed: int, engines: int, run_s: float, **cfg) -> dict:
                 parked = len(ctl.transfers._parked_l2.get(kind, [])) if tier is Tier.HOST else 0
                 assert alloc.free_count + owned + parked == alloc.total, (tier, kind)
         assert ctl.prefetcher.running == 0
-        assert not ctl.transfers._loads
+        assert not ctl.loads._loads
     checked = sum(w.eng.checked for w in workers)
     lives = sum(w.lives for w in workers)
     assert lives > engines * 5, lives
@@ -361,7 +361,7 @@ def test_a_load_whose_lease_lapses_while_it_waits_for_room_is_not_found(make, mo
         list(ctl.load("e1", m.lock_id))
     assert not errors
     _leak_free(ctl)
-    assert not ctl.transfers._loads
+    assert not ctl.loads._loads
 
 
 @pytest.mark.parametrize("hybrid", [False, True])

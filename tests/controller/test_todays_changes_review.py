@@ -19,7 +19,7 @@ import pytest
 from engine_sim import CopyGate, Loader, evict_all, flushed, seq, toks, wait_prefetch
 
 from hicache.config import ConfigError, load_config, redact_url
-from hicache.controller import transfers as transfers_mod
+from hicache.controller import loads as loads_mod
 from hicache.controller.base import InsertRequest, MatchRequest
 from hicache.errors import InvalidArgument, NotFound, ResourceExhausted
 from hicache.keys import chain_hashes
@@ -43,7 +43,7 @@ def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def loads_running(ctl) -> int:  # type: ignore[no-untyped-def]
     with ctl._mu:
-        return len(ctl.transfers._loads)
+        return len(ctl.loads._loads)
 
 
 def pattern(page_hash: bytes, member: str, layer: int, rank: int, size: int) -> np.ndarray:
@@ -339,7 +339,7 @@ def test_a_waiting_load_copies_itself_when_the_load_it_waited_for_fails(make) ->
 
 
 def test_a_load_waits_at_most_load_wait_s_then_copies_and_one_copy_stays(make, monkeypatch) -> None:
-    monkeypatch.setattr(transfers_mod, "LOAD_WAIT_S", 0.3)
+    monkeypatch.setattr(loads_mod, "LOAD_WAIT_S", 0.3)
     ctl, eng, a, mx, my = _two_locks_on_one_l2_path(make)
     gate = CopyGate(ctl)
     try:
@@ -349,7 +349,7 @@ def test_a_load_waits_at_most_load_wait_s_then_copies_and_one_copy_stays(make, m
         gate.wait_reached(2)  # after 0.3 s y copies on its own
         assert loads_running(ctl) == 2
         with ctl._mu:
-            assert sum(len(d) for d in ctl.transfers.loading_pages(FULL)) == 8
+            assert sum(len(d) for d in ctl.loads.loading_pages(FULL)) == 8
         (dev,) = [p for p in ctl.stats().pools if p.tier == "device"]
         assert dev.locked_pages == dev.used_pages == 8
         gate.open()

@@ -55,7 +55,7 @@ def _tables(ctl) -> dict[str, int]:  # type: ignore[no-untyped-def]
         "prefetch_of_lock": len(ctl._prefetch_of_lock),
         "prefetches_running": ctl.prefetcher.running,
         "reserved_pages": ctl.prefetcher._reserved_pages,
-        "loads": len(ctl.transfers._loads),
+        "loads": len(ctl.loads._loads),
         "tree_locks": ctl.tree.active_locks,
         "open_sessions": len(ctl.tree._sessions),
     }

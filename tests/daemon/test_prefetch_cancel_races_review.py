@@ -231,7 +231,7 @@ def test_a_load_during_a_prefetchs_copy_to_l1_evicts_nothing_for_a_second_copy(
     hog = ctl.allocate("e1", AllocateRequest("", (free - 4) * 4)).allocation_id
     monkeypatch.setattr(pf, "BATCH_PAGES", 2)
     gate, held = threading.Event(), threading.Event()
-    real = ctl.transfers.copy_to_l1
+    real = ctl.loads.copy_to_l1
 
     def copy(moves, on_layer=None):  # type: ignore[no-untyped-def]
         if threading.current_thread().name == "hicache-prefetch-to-l1":
@@ -239,7 +239,7 @@ def test_a_load_during_a_prefetchs_copy_to_l1_evicts_nothing_for_a_second_copy(
             assert gate.wait(20), "copy gate never opened"
         return real(moves, on_layer)
 
-    monkeypatch.setattr(ctl.transfers, "copy_to_l1", copy)
+    monkeypatch.setattr(ctl.loads, "copy_to_l1", copy)
     a = ctl.match("e1", MatchRequest("", prompt, lock=True, prefetch=True))
     assert a.prefetch_id and held.wait(10)
     deadline = time.monotonic() + 10
