@@ -79,8 +79,7 @@ class Loads:
         self.ctl = ctl
         self.tree = ctl.tree
         self.cfg = ctl.cfg
-        self.transfers = transfers  # (room in L1: allocation, eviction, freeing)
-        self.copier = transfers.copier
+        self.transfers = transfers  # (room in L1: allocation, eviction, freeing; the copy engine)
         # Loads copy on long-lived threads: a fresh thread per load cost ~0.7 ms (torch's
         # per-thread set-up). Each load's caller streams its layers as they land.
         self._load_threads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="hicache-load")
@@ -279,7 +278,7 @@ class Loads:
         engine call per family; small families first, FULL last reports `on_layer`."""
         families = per_family([(kind, host_ids, dev) for _, kind, host_ids, dev in moves])
         for kind, host, dev in sorted(families, key=lambda f: f[0] is FULL):
-            self.copier.host_to_device(kind, host, dev, on_layer=on_layer if kind is FULL else None)
+            self.transfers.copier.host_to_device(kind, host, dev, on_layer=on_layer if kind is FULL else None)
 
     def land_in_l1(self, moves: list[L1Move],
                    unlanded: Callable[[ComponentKind, np.ndarray], None] | None = None) -> int:
