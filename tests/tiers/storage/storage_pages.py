@@ -6,6 +6,7 @@ import uuid
 
 import numpy as np
 
+from hicache.bench.services import MooncakeMaster
 from hicache.config import (
     FileStorageConfig,
     MooncakeStorageConfig,
@@ -72,6 +73,13 @@ def storage_config(
             local_buffer_size=16 << 20,
         ),
     )
+
+
+def mooncake_config(master: MooncakeMaster, timeout_s: float = 2.0) -> StorageConfig:
+    """`storage_config` for the test's `mooncake_master` (its master and metadata server)."""
+    return storage_config(StorageBackendName.MOONCAKE, timeout_s=timeout_s,
+                          mooncake_master=master.master,
+                          mooncake_metadata=master.metadata_server)
 
 
 def open_backend(cfg: StorageConfig) -> StorageBackend:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from storage_pages import Pool, keys, storage_config
+from storage_pages import Pool, keys, mooncake_config
 
 from hicache.bench.services import MooncakeMaster
 from hicache.errors import BackendTimedOut, InvalidArgument
@@ -21,7 +21,6 @@ from hicache.tiers.storage.integrity import (
     truncated_of_ours,
     write_header,
 )
-from hicache.types import StorageBackendName
 
 
 def _object(key: str, payload: int = 256) -> np.ndarray:
@@ -75,11 +74,7 @@ def test_a_map_with_no_time_left_runs_nothing() -> None:
 
 @pytest.fixture
 def mooncake(mooncake_master: MooncakeMaster) -> Iterator[StorageBackend]:
-    backend = build_backend(storage_config(
-        StorageBackendName.MOONCAKE,
-        mooncake_master=mooncake_master.master,
-        mooncake_metadata=mooncake_master.metadata_server,
-    ))
+    backend = build_backend(mooncake_config(mooncake_master))
     yield backend
     backend.close()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from storage_pages import Pool, keys, storage_config
+from storage_pages import Pool, keys, mooncake_config, storage_config
 
 from hicache.bench.services import MooncakeMaster
 from hicache.config import FileStorageConfig
@@ -72,11 +72,7 @@ def mooncake_pair(
 ) -> Iterator[tuple[StorageBackend, StorageBackend]]:
     """One backend and a second raw client, shared by the module: a Mooncake client takes
     2-4 s to close, so a pair per test would dominate the suite."""
-    cfg = storage_config(
-        StorageBackendName.MOONCAKE,
-        mooncake_master=mooncake_master.master,
-        mooncake_metadata=mooncake_master.metadata_server,
-    )
+    cfg = mooncake_config(mooncake_master)
     backend, raw = build_backend(cfg), build_backend(cfg)
     yield backend, raw
     backend.close()

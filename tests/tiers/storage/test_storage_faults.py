@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from storage_pages import Pool, keys, storage_config
+from storage_pages import Pool, keys, mooncake_config, storage_config
 
 from hicache.bench.services import MooncakeMaster, RedisServer
 from hicache.errors import BackendUnavailable
@@ -80,13 +80,7 @@ def test_mooncake_master_killed_then_restarted(
     mooncake_factory: Callable[[], MooncakeMaster],
 ) -> None:
     master = mooncake_factory()
-    cfg = storage_config(
-        StorageBackendName.MOONCAKE,
-        timeout_s=TIMEOUT_S,
-        mooncake_master=master.master,
-        mooncake_metadata=master.metadata_server,
-    )
-    backend = build_backend(cfg)
+    backend = build_backend(mooncake_config(master, timeout_s=TIMEOUT_S))
     pool = Pool(2).register(backend)
     assert backend.put_from(keys(1), pool.slots([0])) == [PutStatus.STORED]
 
@@ -107,11 +101,7 @@ def test_two_nodes_share_objects(
     """Node A stores, node B (another client of the same service) reads them."""
     configs = [
         storage_config(StorageBackendName.REDIS, redis_url=redis_server.url),
-        storage_config(
-            StorageBackendName.MOONCAKE,
-            mooncake_master=mooncake_master.master,
-            mooncake_metadata=mooncake_master.metadata_server,
-        ),
+        mooncake_config(mooncake_master),
     ]
     for cfg in configs:
         node_a, node_b = build_backend(cfg), build_backend(cfg)

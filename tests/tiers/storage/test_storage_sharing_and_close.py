@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from storage_pages import Pool, keys, storage_config
+from storage_pages import Pool, keys, mooncake_config, storage_config
 
 from hicache.bench.services import MooncakeMaster, RedisServer
 from hicache.config import FileStorageConfig
@@ -37,11 +37,7 @@ UNSTUCK_S = 15.0  # how long a stuck call may take to return once its service an
 @pytest.fixture(scope="module")
 def mooncake_backend(mooncake_master: MooncakeMaster) -> Iterator[StorageBackend]:
     """One client for the module (a Mooncake client takes seconds to set up and close)."""
-    backend = build_backend(storage_config(
-        StorageBackendName.MOONCAKE,
-        mooncake_master=mooncake_master.master,
-        mooncake_metadata=mooncake_master.metadata_server,
-    ))
+    backend = build_backend(mooncake_config(mooncake_master))
     yield backend
     backend.close()
 
@@ -140,10 +136,7 @@ def test_put_from_one_buffer_under_two_keys_stores_nothing_corrupt(backend: Stor
 
 
 def _mooncake(master: MooncakeMaster) -> StorageBackend:
-    return build_backend(storage_config(
-        StorageBackendName.MOONCAKE, timeout_s=TIMEOUT_S,
-        mooncake_master=master.master, mooncake_metadata=master.metadata_server,
-    ))
+    return build_backend(mooncake_config(master, timeout_s=TIMEOUT_S))
 
 
 def _stuck_call(backend: StorageBackend, then: Callable[[], None] = lambda: None) -> threading.Event:
