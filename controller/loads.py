@@ -288,7 +288,7 @@ class Loads:
         is not in L1 (L1 holds prefixes), frees its L1 pages (or hands them to
         `unlanded`). Moves land root first.
         NOTE: a match may have split a node meanwhile; the object is the tail, its new
-        parents hold the head of the copied span (`_span`)."""
+        parents hold the head of the copied span (`Transfers.span`)."""
         free = unlanded or self.transfers.free_l1
         landed = 0
         for node, kind, host_ids, dev in sorted(moves, key=lambda m: m[1] is not FULL):

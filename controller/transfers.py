@@ -87,7 +87,7 @@ class HostCopy:
 
 
 def per_family(moves: list[tuple[ComponentKind, np.ndarray, np.ndarray]]
-                ) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
+               ) -> list[tuple[ComponentKind, np.ndarray, np.ndarray]]:
     """(kind, source ids, destination ids) joined per family, first-seen order: one copy
     engine call per family."""
     by_kind: dict[ComponentKind, tuple[list[np.ndarray], list[np.ndarray]]] = {}
@@ -619,6 +619,10 @@ class Transfers:
         out.reverse()
         return out
 
+    def _pages_in(self, node: object) -> int:
+        tree = self.tree
+        return (tree.depth_tokens(node) - tree.depth_tokens(tree.parent_of(node))) // self.ctl._ps
+
     def _drop_in_flight(self, kind: ComponentKind, ids: np.ndarray) -> None:
         held = self._in_flight.get(kind, [])
         for i, arr in enumerate(held):
@@ -1119,11 +1123,7 @@ class Transfers:
             if done.in_l3 < len(targets):  # retried; refusals count against the write breaker
                 raise BackendUnavailable(f"L3 stored {done.in_l3} of {len(targets)} {kind.value} pages")
 
-    # ------------------------------------------------------------------ load
-
-    def _pages_in(self, node: object) -> int:
-        tree = self.tree
-        return (tree.depth_tokens(node) - tree.depth_tokens(tree.parent_of(node))) // self.ctl._ps
+    # ------------------------------------------------------------------ copy-on-write
 
     def copy_l1_slot(self, kind: ComponentKind, src: int, dst: int) -> None:
         """Copy one L1 slot of a family to another (MAMBA copy-on-write), complete when
