@@ -222,12 +222,10 @@ class Transfers:
         taken and, when some kind cannot fit whatever is evicted, nothing evicted either
         (evicting for one kind first, then failing on another, would empty the cache for
         nothing). A kind short only of pages pinned by queued copies waits for them."""
+        free = self.allocate_free_l1(need)
+        if free is not None:
+            return free
         allocators = self._allocators[Tier.DEVICE]
-        for kind, n in need.items():  # (a loop, not all(...): this is every request's path)
-            if allocators[kind].free_count < n:
-                break
-        else:
-            return {kind: allocators[kind].allocate(n) for kind, n in need.items()}
         deadline = time.monotonic() + BACKPRESSURE_S
         while True:
             short = [(kind, n) for kind, n in need.items() if n > self._reachable(Tier.DEVICE, kind)]
@@ -254,8 +252,9 @@ class Transfers:
         """`need[kind]` L1 pages of each kind from the free pages alone, never evicting
         or waiting; None (nothing taken) when they do not all fit."""
         allocators = self._allocators[Tier.DEVICE]
-        if any(allocators[kind].free_count < n for kind, n in need.items()):
-            return None
+        for kind, n in need.items():  # (a loop, not any(...): every L1 allocation's first try)
+            if allocators[kind].free_count < n:
+                return None
         return {kind: allocators[kind].allocate(n) for kind, n in need.items()}
 
     def allocate_l2(self, kind: ComponentKind, n: int, wait: bool = True) -> np.ndarray:

@@ -1,13 +1,12 @@
 """Mutation review, second round (controller): room-making and flush accounting of
 `Transfers` that no other test pinned; each test names the mutant it kills. Real
-controllers (`make`), real L3 backends (a Redis address nothing listens on)."""
+controllers (`make`), real L3 backends (a Redis address nothing listens on: `free_port`)."""
 
 from __future__ import annotations
 
-import socket
-
 from engine_sim import Engine, seq
 
+from hicache.bench.services import free_port
 from hicache.types import ComponentKind, Tier
 
 FULL = ComponentKind.FULL
@@ -15,7 +14,8 @@ FULL = ComponentKind.FULL
 
 def test_allocate_free_l1_takes_exactly_the_free_pages_that_are_left(make) -> None:
     """L1 has 64 FULL pages, 60 of them free after one 4-page request. Asking
-    `allocate_free_l1` (a prefetch's move into free L1 pages: never evicting) for exactly
+    `allocate_free_l1` (every L1 allocation's first try, and all a prefetch's move into
+    L1 may take: free pages only, never evicting) for exactly
     the 60 free pages gets them all; asking for 61 gets None and takes nothing.
     Mutant killed: `allocate_free_l1` with `free_count <= n` (an exact fit refused)."""
     ctl = make()
@@ -54,12 +54,6 @@ def test_an_l1_eviction_frees_one_sixty_fourth_of_the_pool_ahead(make) -> None:
         ctl.transfers.free_l1(FULL, got)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # (closed on return: a connect is refused)
-
-
 def test_unflushed_pages_counts_everything_while_the_configured_l3_never_connected(make) -> None:
     """An L3 (Redis) is configured but nothing listens at its address: the controller
     serves from L1/L2 (`l3` None, `l3_down` set). After one 4-page request, a flush could
@@ -67,7 +61,7 @@ def test_unflushed_pages_counts_everything_while_the_configured_l3_never_connect
     all; an operator waiting for it to reach 0 before a restart must not be told the
     cache is safe).
     Mutant killed: `unflushed_pages` returning 0 whenever `l3` is None."""
-    ctl = make(backend="redis", storage__redis={"url": f"redis://127.0.0.1:{_closed_port()}",
+    ctl = make(backend="redis", storage__redis={"url": f"redis://127.0.0.1:{free_port()}",
                                                 "ttl_s": None})
     assert ctl.l3 is None and ctl.l3_down
     Engine(ctl).request(seq(4))

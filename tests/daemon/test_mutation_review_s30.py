@@ -9,9 +9,7 @@ stop cancelling one call cannot be timed from outside)."""
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,10 +20,11 @@ from hicache.cli import main
 from hicache.client import Client
 from hicache.pb.hicache.v1 import hicache_pb2 as pb
 
+from . import test_client_vs_junk_replies_review as junk
 from .daemonkit import Daemon, eventually
-from .test_client_vs_junk_replies_review import _FakeDaemon
 
 OPERATOR = "tok-mutation-review-s30-operator"
+fake = junk.fake  # (the fixture: an in-test gRPC server on a unix socket, closed after the test)
 
 
 @pytest.mark.timeout(120)
@@ -55,13 +54,11 @@ def test_health_without_a_token_fails_while_a_required_backend_is_down(
     assert report["reachable"] is True and "needs a valid --token-file" in report["note"], report
 
 
-def test_a_stats_call_the_daemon_cancelled_as_it_stopped_is_retried() -> None:
+def test_a_stats_call_the_daemon_cancelled_as_it_stopped_is_retried(fake: junk._FakeDaemon) -> None:
     """Mutant: CANCELLED dropped from `client_errors.RETRYABLE`. gRPC's server cancels
     the calls under way when the daemon stops (a bare CANCELLED); a repeatable call
     (Stats) is retried, and the daemon that is back answers it: the caller sees its
     reply, not an error, and the daemon saw the call twice."""
-    sock_dir = Path(tempfile.mkdtemp(prefix="hcm", dir="/tmp"))  # (a unix socket path: <108 bytes)
-    fake = _FakeDaemon(sock_dir)
     answer = fake.servicer._answer
     cancelled: list[str] = []
 
@@ -74,13 +71,7 @@ def test_a_stats_call_the_daemon_cancelled_as_it_stopped_is_retried() -> None:
 
     fake.servicer._answer = stopping_once  # type: ignore[method-assign]
     fake.replies["Stats"] = pb.StatsResponse()
-    client = Client(fake.address, engine_id="mr30-engine", retries=2, timeout_s=5)
-    try:
+    with Client(fake.address, engine_id="mr30-engine", retries=2, timeout_s=5) as client:
         snap = client.stats()
-        assert snap.pools == ()
-        assert fake.servicer.calls["Stats"] == 2
-    finally:
-        client.close()
-        fake.close()
-        (sock_dir / "fake.sock").unlink(missing_ok=True)
-        sock_dir.rmdir()
+    assert snap.pools == ()
+    assert fake.servicer.calls["Stats"] == 2
