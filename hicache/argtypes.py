@@ -8,7 +8,10 @@ same for what argparse cannot tell (options that contradict each other).
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from collections.abc import Callable
+from pathlib import Path
 
 from hicache.endpoint import parse_address
 from hicache.errors import HicacheError
@@ -53,6 +56,30 @@ def address(value: str) -> str:
         parse_address(value)
     except HicacheError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def output_file(value: str) -> str:
+    """A file a command writes when it ends (a benchmark's figures, its plot): checked
+    before anything runs, or a run of minutes would fail only at its end. Its folder must
+    exist and take writes; the file is neither created nor truncated here."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty path names no file")
+    path = Path(value)
+    folder = path.parent
+    try:
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            raise argparse.ArgumentTypeError(f"{value!r} is a directory, not a file")
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # (a folder on the way this user may not enter, a loop)
+        raise argparse.ArgumentTypeError(f"{value!r}: {e.strerror}") from None
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: no folder {str(folder)!r} to write it in")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{value!r} exists and is not writable")
+    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{value!r}: the folder {str(folder)!r} is not writable")
     return value
 
 

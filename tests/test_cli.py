@@ -154,3 +154,100 @@ def test_a_ca_file_for_a_unix_socket_is_a_usage_error(tmp_path, capsys) -> None:
     for command in ("health", "stats"):
         assert main([command, "--target", f"unix://{tmp_path}/d.sock", "--ca-file", str(ca)]) == 2
         assert "a unix socket is never TLS" in capsys.readouterr().err
+
+
+# Every flag naming a file a benchmark writes when it ends.
+OUTPUT_FLAGS = [("tree", "--json"), ("tiers", "--json"), ("tiers", "--l3-json"),
+                ("controller", "--json"), ("gpu", "--json"), ("rpc", "--json"),
+                ("multiturn", "--json"), ("multiturn", "--plot")]
+
+
+@pytest.mark.parametrize(("bench", "flag"), OUTPUT_FLAGS)
+def test_a_benchmark_output_file_that_cannot_be_written_is_refused_before_it_runs(
+    bench: str, flag: str, tmp_path, capsys
+) -> None:
+    """A benchmark of minutes (multiturn 64 x 30) used to run to its end and only then fail
+    writing its figures (exit 2, the figures lost). The path is checked first: exit 2
+    naming the flag and what is wrong, nothing run, nothing created."""
+    for bad, why in [(str(tmp_path / "no-such-folder" / "out.json"), "no folder"),
+                     (str(tmp_path), "is a directory"), ("", "empty path")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", bench, flag, bad])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}:" in err and why in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("bench", "flag"), OUTPUT_FLAGS)
+def test_a_benchmark_output_file_in_an_existing_folder_is_taken_and_not_created_yet(
+    bench: str, flag: str, tmp_path
+) -> None:
+    from hicache.cli import build_parser
+
+    for path in (tmp_path / "new.json", tmp_path / "old.json"):
+        if path.name == "old.json":
+            path.write_text("earlier figures")
+        args = build_parser().parse_args(["bench", bench, flag, str(path)])
+        assert getattr(args, flag.lstrip("-").replace("-", "_")) == str(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert (tmp_path / "old.json").read_text() == "earlier figures"
+
+
+def _checked_as_another_user(value: str) -> str:
+    """`output_file(value)`'s refusal ('' when taken), as uid 65534 when this runs as root
+    (root passes every permission check): in a forked child, which needs no file to read."""
+    import argparse
+    import os
+
+    from hicache.argtypes import output_file
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        code = 0
+        try:
+            os.close(read)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                output_file(value)
+            except argparse.ArgumentTypeError as e:
+                os.write(write, str(e).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    return said
+
+
+def test_a_benchmark_output_file_this_user_cannot_write_is_refused_saying_why() -> None:
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    home = Path(tempfile.mkdtemp(prefix="hicache-out-"))  # (in /tmp: the other user reaches it)
+    try:
+        os.chmod(home, 0o755)
+        (home / "ro").mkdir(mode=0o555)
+        (home / "priv").mkdir(mode=0o700)
+        (home / "theirs.json").write_text("keep")
+        os.chmod(home / "ro", 0o555)
+        os.chmod(home / "theirs.json", 0o444)
+        said = _checked_as_another_user(str(home / "ro" / "x.json"))
+        assert f"the folder '{home / 'ro'}' is not writable" in said, said
+        said = _checked_as_another_user(str(home / "theirs.json"))
+        assert "exists and is not writable" in said, said
+        if os.geteuid() == 0:  # (an owner can always enter its own 0700 folder)
+            said = _checked_as_another_user(str(home / "priv" / "x.json"))
+            assert "Permission denied" in said, said
+        assert (home / "theirs.json").read_text() == "keep"
+    finally:
+        shutil.rmtree(home)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hicache.argtypes import UsageError, nonnegative_int, positive_int
+from hicache.argtypes import UsageError, nonnegative_int, output_file, positive_int
 from hicache.bench.services import ServiceError, find_binary, start_redis
 from hicache.config import HicacheConfig, build_config
 from hicache.controller.base import InsertRequest, MatchRequest, PrefetchState
@@ -174,7 +174,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=positive_int, default=11, help="trials; each figure is their median")
     p.add_argument("--requests", type=positive_int, default=200)
     p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--json", metavar="FILE", type=output_file)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.argtypes import positive_int
+from hicache.argtypes import output_file, positive_int
 from hicache.bench.services import ServiceError
 from hicache.config import build_config
 from hicache.types import ComponentKind
@@ -62,7 +62,7 @@ def oracle(page: int, layer: int, width: int) -> torch.Tensor:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=positive_int, default=4096, help="pages per family copy")
     parser.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure (median)")
-    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--json", metavar="FILE", type=output_file, help="write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.argtypes import one_of, positive_int
+from hicache.argtypes import one_of, output_file, positive_int
 from hicache.bench.services import ServiceError, start_mooncake_master, start_redis
 from hicache.config import (
     FileStorageConfig,
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--l3-dir", default=None, help="file backend directory (default: a temp dir)"
     )
-    parser.add_argument("--l3-json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--l3-json", metavar="FILE", type=output_file, help="write the figures as JSON")
 
 
 class _Pool:

@@ -29,6 +29,7 @@ from hicache.argtypes import (
     address,
     nonnegative_int,
     one_of,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -91,8 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=positive_float, help="model uncached tokens as compute")
     p.add_argument("--compare", type=one_of(tuple(CONFIGS)),
                    help="comma list of l1, l1+l2, l1+l2+l3 run one after another")
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--json", metavar="FILE", type=output_file)
+    p.add_argument("--plot", metavar="FILE.png", type=output_file)
     p.add_argument("--no-progress", action="store_true")
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.argtypes import address, positive_float, positive_int
+from hicache.argtypes import address, output_file, positive_float, positive_int
 from hicache.bench.services import serving_daemon
 from hicache.client import Client, insert_op, match_op
 
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=positive_float, default=3.0, help="duration of each throughput run")
     parser.add_argument("--processes", type=positive_int, nargs="+", default=[1, 8])
     parser.add_argument("--target", type=address, help="use a running daemon instead of starting one")
-    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--json", metavar="FILE", type=output_file, help="write the figures as JSON")
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.argtypes import positive_int
+from hicache.argtypes import output_file, positive_int
 from hicache.config import build_config
 from hicache.tiers.copy import CpuCopyEngine
 from hicache.tiers.device import ShmDevicePools
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=positive_int, default=4096, help="pages per family copy")
     parser.add_argument("--repeat", type=positive_int, default=9, help="timed runs per figure (median)")
     parser.add_argument("--skip-l3", action="store_true", help="only the L1<->L2 half")
-    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--json", metavar="FILE", type=output_file, help="write the figures as JSON")
     l3 = _l3_module()
     if l3 is not None:
         l3.add_arguments(parser)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from hicache import allocator
-from hicache.argtypes import positive_int
+from hicache.argtypes import output_file, positive_int
 from hicache.tree import HiRadixTree
 from hicache.types import ComponentKind, Tier
 
@@ -279,7 +279,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive_int, default=5,
                    help="side-by-side runs of FULL and the hybrid per page size and budget")
     p.add_argument("--quick", action="store_true", help="fewer configurations (CI smoke run)")
-    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--json", metavar="FILE", type=output_file, help="also write the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
