@@ -1191,7 +1191,8 @@ class Transfers:
     # ------------------------------------------------------------------ audit
 
     def check_ownership(self, engines: EngineRegistry) -> None:
-        """Every allocated L1/L2 page is held by exactly one owner."""
+        """Every allocated L1/L2 page is held by exactly one owner, and every owned page
+        is allocated (counts alone would let a leak hide a page freed while still owned)."""
         for tier, pools in ((Tier.DEVICE, self.ctl.device), (Tier.HOST, self.ctl.host)):
             for kind in self.ctl._kinds:
                 owned: list[np.ndarray] = []
@@ -1215,6 +1216,11 @@ class Transfers:
                 ids = np.concatenate(owned) if owned else np.empty(0, dtype=np.int64)
                 alloc = pools.allocator(kind)
                 assert len(np.unique(ids)) == len(ids), f"{tier.name} {kind.value}: a page owned twice"
+                free_owned = ids[~alloc.is_allocated(ids)]
+                assert not free_owned.size, (
+                    f"{tier.name} {kind.value}: pages {free_owned[:8].tolist()} owned but free "
+                    f"(freed while still owned, or owned and never allocated)"
+                )
                 used = alloc.total - alloc.free_count
                 assert len(ids) == used, (
                     f"{tier.name} {kind.value}: {used} pages allocated, {len(ids)} owned (leak)"

@@ -81,6 +81,11 @@ class Allocator(abc.ABC):
         """
 
     @abc.abstractmethod
+    def is_allocated(self, ids: PageIds) -> npt.NDArray[np.bool_]:
+        """Per id, whether it is allocated now (ids may repeat). Raises `InvalidArgument`
+        for ids out of range."""
+
+    @abc.abstractmethod
     def check_integrity(self) -> None:
         """Raise `AssertionError` with the figures when the free list is inconsistent."""
 
