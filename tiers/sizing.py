@@ -38,14 +38,10 @@ def check_host_fit(cfg: HicacheConfig, available_bytes: int | None = None) -> No
     layout = cfg.host_layout
     needed = sum(round_up(pages[m.component] * slot_bytes(m, layout), OS_PAGE)
                  for m in cfg.model.members)
-    source = "MemAvailable"
     if available_bytes is None:
-        available = mem_available_bytes()
-        in_cgroup = cgroup_memory_left()
-        if in_cgroup is not None and in_cgroup < available:
-            available, source = in_cgroup, "what the memory cgroup's limit leaves"
+        available, source = host_memory_left()
     else:
-        available = available_bytes
+        available, source = available_bytes, "MemAvailable"
     reserve = int(cfg.tiers.l2.reserve_gb * GiB)
     allowed = available - reserve
     if needed > allowed:
@@ -55,6 +51,18 @@ def check_host_fit(cfg: HicacheConfig, available_bytes: int | None = None) -> No
             f"({source}, {available} bytes, minus tiers.l2.reserve_gb {cfg.tiers.l2.reserve_gb}); "
             f"lower tiers.l2.ratio / tiers.l2.size_gb or the reserve"
         )
+
+
+def host_memory_left(meminfo: Path = Path("/proc/meminfo"),
+                     proc_cgroup: Path = Path("/proc/self/cgroup"),
+                     root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """(bytes this process may still take, what says so): MemAvailable, or what the
+    memory cgroup's limit leaves where that is less (`cgroup_memory_left`)."""
+    available = mem_available_bytes(meminfo)
+    in_cgroup = cgroup_memory_left(proc_cgroup, root)
+    if in_cgroup is not None and in_cgroup < available:
+        return in_cgroup, "what the memory cgroup's limit leaves"
+    return available, "MemAvailable"
 
 
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:

@@ -160,3 +160,23 @@ def test_the_memory_cgroup_limit_bounds_what_l2_may_use(tmp_path: Path) -> None:
     files({"proc_none": "0::/\n", "none/memory.max": "max\n"})
     assert cgroup_memory_left(tmp_path / "proc_none", tmp_path / "none") is None
     assert cgroup_memory_left(tmp_path / "missing", tmp_path) is None
+
+
+def test_l2_may_use_the_lesser_of_memavailable_and_what_the_cgroup_leaves(tmp_path: Path) -> None:
+    """The L2 fit check takes what the memory cgroup leaves where that is less than the
+    node's MemAvailable (a container), and MemAvailable where it is more or there is no
+    limit; each time naming which it took."""
+    from hicache.tiers.sizing import host_memory_left
+
+    (tmp_path / "meminfo").write_text(f"MemTotal: 1 kB\nMemAvailable: {8 << 20} kB\n")  # 8 GiB
+    (tmp_path / "cgroup").write_text("0::/ctr\n")
+    (tmp_path / "cg" / "ctr").mkdir(parents=True)
+    (tmp_path / "cg" / "ctr" / "memory.current").write_text(str(1 << 30))
+
+    def left(limit: str) -> tuple[int, str]:
+        (tmp_path / "cg" / "ctr" / "memory.max").write_text(limit)
+        return host_memory_left(tmp_path / "meminfo", tmp_path / "cgroup", tmp_path / "cg")
+
+    assert left(str(4 << 30)) == (3 << 30, "what the memory cgroup's limit leaves")
+    assert left(str(16 << 30)) == (8 << 30, "MemAvailable")
+    assert left("max") == (8 << 30, "MemAvailable")
