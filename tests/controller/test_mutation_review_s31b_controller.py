@@ -85,6 +85,18 @@ def test_growing_an_allocation_appends_the_new_pages_after_the_old_ones(make) ->
     ctl.release("e1", None, first.allocation_id)
 
 
+def _whole_prompt_allocated_on_an_l2_prefix(ctl, eng: Engine):  # type: ignore[no-untyped-def]
+    """4 pages only L2 holds, a locked match of them plus 2 new pages, and an Allocate for
+    the whole prompt naming that lock: (the prompt, the match, the allocation)."""
+    prefix = seq(4)
+    in_l2_only(ctl, eng, prefix)
+    prompt = prefix + seq(2, base=700)
+    m = ctl.match("e1", MatchRequest("", prompt, lock=True))
+    assert (m.device_tokens, m.host_tokens) == (0, 16)
+    info = ctl.allocate("e1", AllocateRequest("", len(prompt) // 4, lock_id=m.lock_id))
+    return prompt, m, info
+
+
 def test_an_allocation_for_a_lock_with_an_l2_part_starts_at_its_device_boundary(make) -> None:
     """An Allocate naming a lock whose prefix is in L2 (not loaded) starts at the lock's
     L1 boundary: an engine that recomputes instead of loading inserts every page from
@@ -92,12 +104,7 @@ def test_an_allocation_for_a_lock_with_an_l2_part_starts_at_its_device_boundary(
     # Mutant: allocate's start() `depth_tokens(lock.end)` (the host boundary).
     ctl = make(write__l1_to_l2="write_through")
     eng = Engine(ctl)
-    prefix = seq(4)
-    in_l2_only(ctl, eng, prefix)
-    prompt = prefix + seq(2, base=700)
-    m = ctl.match("e1", MatchRequest("", prompt, lock=True))
-    assert (m.device_tokens, m.host_tokens) == (0, 16)
-    info = ctl.allocate("e1", AllocateRequest("", len(prompt) // 4, lock_id=m.lock_id))
+    prompt, m, info = _whole_prompt_allocated_on_an_l2_prefix(ctl, eng)
     assert len(info.pages[_full_member(ctl)]) == 6
     eng.write(info.pages, prompt, 0)
     out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id,
@@ -151,11 +158,7 @@ def test_an_insert_after_a_load_frees_the_allocation_pages_the_load_stood_in_for
     # Mutant: _consume_allocation `lo = 0` (pages before the insert's start kept).
     ctl = make(write__l1_to_l2="write_through")
     eng = Engine(ctl)
-    prefix = seq(4)
-    in_l2_only(ctl, eng, prefix)
-    prompt = prefix + seq(2, base=700)
-    m = ctl.match("e1", MatchRequest("", prompt, lock=True))
-    info = ctl.allocate("e1", AllocateRequest("", len(prompt) // 4, lock_id=m.lock_id))
+    prompt, m, info = _whole_prompt_allocated_on_an_l2_prefix(ctl, eng)
     *_, last = list(ctl.load("e1", m.lock_id))
     assert last.device_tokens == 16
     eng.write({name: ids[4:] for name, ids in info.pages.items()}, prompt, 4)
