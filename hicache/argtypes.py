@@ -68,17 +68,18 @@ def output_file(value: str) -> str:
     path = Path(value)
     folder = path.parent
     try:
-        if stat.S_ISDIR(os.stat(path).st_mode):
-            raise argparse.ArgumentTypeError(f"{value!r} is a directory, not a file")
+        mode: int | None = os.stat(path).st_mode
     except FileNotFoundError:
-        pass
+        mode = None
     except OSError as e:  # (a folder on the way this user may not enter, a loop)
         raise argparse.ArgumentTypeError(f"{value!r}: {e.strerror}") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise argparse.ArgumentTypeError(f"{value!r} is a directory, not a file")
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r}: no folder {str(folder)!r} to write it in")
-    if path.exists() and not os.access(path, os.W_OK):
+    if mode is not None and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{value!r} exists and is not writable")
-    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
+    if mode is None and not os.access(folder, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"{value!r}: the folder {str(folder)!r} is not writable")
     return value
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from unprivileged import as_nobody
 
 from hicache.cli import main
 
@@ -194,37 +195,21 @@ def test_a_benchmark_output_file_in_an_existing_folder_is_taken_and_not_created_
     assert (tmp_path / "old.json").read_text() == "earlier figures"
 
 
-def _checked_as_another_user(value: str) -> str:
-    """`output_file(value)`'s refusal ('' when taken), as uid 65534 when this runs as root
-    (root passes every permission check): in a forked child, which needs no file to read."""
+def _refusal_as_another_user(value: str) -> str:
+    """`output_file(value)`'s refusal ('' when taken) as `nobody` (root passes every
+    permission check)."""
     import argparse
-    import os
 
     from hicache.argtypes import output_file
 
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: no pytest machinery from here on
-        code = 0
+    def check() -> str:
         try:
-            os.close(read)
-            if os.geteuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-            try:
-                output_file(value)
-            except argparse.ArgumentTypeError as e:
-                os.write(write, str(e).encode())
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        said = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    return said
+            output_file(value)
+        except argparse.ArgumentTypeError as e:
+            return str(e)
+        return ""
+
+    return as_nobody(check)
 
 
 def test_a_benchmark_output_file_this_user_cannot_write_is_refused_saying_why() -> None:
@@ -235,18 +220,18 @@ def test_a_benchmark_output_file_this_user_cannot_write_is_refused_saying_why() 
 
     home = Path(tempfile.mkdtemp(prefix="hicache-out-"))  # (in /tmp: the other user reaches it)
     try:
-        os.chmod(home, 0o755)
-        (home / "ro").mkdir(mode=0o555)
-        (home / "priv").mkdir(mode=0o700)
+        (home / "ro").mkdir()
+        (home / "priv").mkdir()
         (home / "theirs.json").write_text("keep")
-        os.chmod(home / "ro", 0o555)
-        os.chmod(home / "theirs.json", 0o444)
-        said = _checked_as_another_user(str(home / "ro" / "x.json"))
+        for path, mode in ((home, 0o755), (home / "ro", 0o555), (home / "priv", 0o700),
+                           (home / "theirs.json", 0o444)):
+            os.chmod(path, mode)  # (mkdir's mode would lose what the umask takes)
+        said = _refusal_as_another_user(str(home / "ro" / "x.json"))
         assert f"the folder '{home / 'ro'}' is not writable" in said, said
-        said = _checked_as_another_user(str(home / "theirs.json"))
+        said = _refusal_as_another_user(str(home / "theirs.json"))
         assert "exists and is not writable" in said, said
         if os.geteuid() == 0:  # (an owner can always enter its own 0700 folder)
-            said = _checked_as_another_user(str(home / "priv" / "x.json"))
+            said = _refusal_as_another_user(str(home / "priv" / "x.json"))
             assert "Permission denied" in said, said
         assert (home / "theirs.json").read_text() == "keep"
     finally:

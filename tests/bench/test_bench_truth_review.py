@@ -21,7 +21,7 @@ import queue as queue_mod
 import tempfile
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,67 +205,19 @@ def test_rpc_throughput_reports_a_failed_worker_instead_of_waiting_a_minute(
 # --------------------------------------------------------------------------- controller
 
 
-@pytest.mark.skipif(find_binary("redis-server") is None, reason="redis-server is not installed")
-def test_controller_healthy_serving_figure_is_not_measured_with_a_failing_l3(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _redis_stalling_at_attach(monkeypatch: pytest.MonkeyPatch, bench: Any,
+                              on_start: Callable[[Any], None] | None = None,
+                              ) -> tuple[Callable[[], None], list[Any]]:
+    """`bench.serving`'s Redis stalls for 1.5 s (a loaded machine: `CLIENT PAUSE`) just as
+    its healthy run starts (as the controller attaches); `on_start(server)` sees each
+    Redis it starts. Returns `pause()`, which stalls it again, and the controllers built."""
     import redis
-
-    from hicache.bench import controller as bench
-
-    servers: list[Any] = []
-    real_start, real_build = bench.start_redis, bench.build_controller
-
-    ctls: list[Any] = []
-    trips_at_stop: list[int] = []  # the breaker's trips when the healthy run ended
-
-    def start_redis() -> Any:
-        server = real_start()
-        real_stop = server.stop
-
-        def stop(*a: Any, **kw: Any) -> Any:  # (serving() stops Redis after the healthy run)
-            trips_at_stop.append(ctls[-1].l3.breaker.trips)
-            return real_stop(*a, **kw)
-
-        server.stop = stop
-        servers.append(server)
-        return server
-
-    def build_controller(*a: Any, **kw: Any) -> Any:
-        ctl = real_build(*a, **kw)
-        ctls.append(ctl)
-        real_attach = ctl.attach
-
-        def attach(*a: Any, **kw: Any) -> Any:
-            out = real_attach(*a, **kw)
-            # Redis stalls for 1.5 s just as the healthy run starts (a loaded machine).
-            r = redis.Redis.from_url(servers[-1].url)
-            r.execute_command("CLIENT", "PAUSE", "1500", "ALL")
-            r.close()
-            return out
-
-        ctl.attach = attach
-        return ctl
-
-    monkeypatch.setattr(bench, "start_redis", start_redis)
-    monkeypatch.setattr(bench, "build_controller", build_controller)
-    figures = bench.serving(12, 0)
-    assert trips_at_stop and trips_at_stop[0] >= 1, "(setup: the stall did not open the breaker)"
-    # The run the stall spoiled was discarded; the figure is from a run after it in which
-    # no call failed (a stall in every run: RuntimeError, no figure).
-    assert figures["healthy_runs_discarded"] >= 1, figures
-
-
-@pytest.mark.skipif(find_binary("redis-server") is None, reason="redis-server is not installed")
-def test_controller_serving_gives_no_figure_when_every_healthy_run_met_a_stall(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    import redis
-
-    from hicache.bench import controller as bench
 
     urls: list[str] = []
-    real_start, real_build, real_until_closed = bench.start_redis, bench.build_controller, bench._until_closed
+    ctls: list[Any] = []
+    real_start, real_build = bench.start_redis, bench.build_controller
 
-    def pause() -> None:  # Redis stalls for 1.5 s (a loaded machine) as a healthy run starts
+    def pause() -> None:
         r = redis.Redis.from_url(urls[-1])
         r.execute_command("CLIENT", "PAUSE", "1500", "ALL")
         r.close()
@@ -273,10 +225,13 @@ def test_controller_serving_gives_no_figure_when_every_healthy_run_met_a_stall(
     def start_redis() -> Any:
         server = real_start()
         urls.append(server.url)
+        if on_start is not None:
+            on_start(server)
         return server
 
     def build_controller(*a: Any, **kw: Any) -> Any:
         ctl = real_build(*a, **kw)
+        ctls.append(ctl)
         real_attach = ctl.attach
 
         def attach(*a: Any, **kw: Any) -> Any:
@@ -287,12 +242,47 @@ def test_controller_serving_gives_no_figure_when_every_healthy_run_met_a_stall(
         ctl.attach = attach
         return ctl
 
+    monkeypatch.setattr(bench, "start_redis", start_redis)
+    monkeypatch.setattr(bench, "build_controller", build_controller)
+    return pause, ctls
+
+
+@pytest.mark.skipif(find_binary("redis-server") is None, reason="redis-server is not installed")
+def test_controller_healthy_serving_figure_is_not_measured_with_a_failing_l3(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.bench import controller as bench
+
+    trips_at_stop: list[int] = []  # the breaker's trips when the healthy run ended
+
+    def on_start(server: Any) -> None:
+        real_stop = server.stop
+
+        def stop(*a: Any, **kw: Any) -> Any:  # (serving() stops Redis after the healthy run)
+            trips_at_stop.append(ctls[-1].l3.breaker.trips)
+            return real_stop(*a, **kw)
+
+        server.stop = stop
+
+    _pause, ctls = _redis_stalling_at_attach(monkeypatch, bench, on_start)
+    figures = bench.serving(12, 0)
+    assert trips_at_stop and trips_at_stop[0] >= 1, "(setup: the stall did not open the breaker)"
+    # The run the stall spoiled was discarded; the figure is from a run after it in which
+    # no call failed (a stall in every run: RuntimeError, no figure).
+    assert figures["healthy_runs_discarded"] >= 1, figures
+
+
+@pytest.mark.skipif(find_binary("redis-server") is None, reason="redis-server is not installed")
+def test_controller_serving_gives_no_figure_when_every_healthy_run_met_a_stall(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.bench import controller as bench
+
+    pause, _ctls = _redis_stalling_at_attach(monkeypatch, bench)
+    real_until_closed = bench._until_closed
+
     def until_closed(l3: Any, timeout_s: float = 20.0) -> None:
         real_until_closed(l3, timeout_s)
         pause()  # (and again before the next run)
 
-    monkeypatch.setattr(bench, "start_redis", start_redis)
-    monkeypatch.setattr(bench, "build_controller", build_controller)
     monkeypatch.setattr(bench, "_until_closed", until_closed)
     with pytest.raises(RuntimeError, match=f"failed calls in each of {bench.HEALTHY_TRIES} runs"):
         bench.serving(12, 0)

@@ -8,11 +8,10 @@ backend; the load's failure an injected copy error."""
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
-from engine_sim import Engine, Loader, l1_full, l2_prefix_request, seq
+from engine_sim import CopyGate, Engine, Loader, l1_full, l2_prefix_request, seq
 
 from hicache.controller.base import AllocateRequest, InsertRequest
 from hicache.types import ComponentKind
@@ -49,7 +48,6 @@ def test_a_page_whose_sidecar_object_failed_to_store_is_not_landed_nor_known_pre
     assert store.read("", hashes, family, np.array([2, 3], np.int64)) == 1
 
 
-
 def test_a_load_failing_after_a_keep_lock_insert_moved_the_allocation_on_frees_what_it_lent(
     make,
 ) -> None:
@@ -66,24 +64,10 @@ def test_a_load_failing_after_a_keep_lock_insert_moved_the_allocation_on_frees_w
     ctl = make(l1_tokens=128, write__l1_to_l2="write_through", storage__backend="none")
     eng = Engine(ctl)
     prefix, prompt, m = l2_prefix_request(ctl, eng, base=1700, tail_base=9700)
-    copier = ctl.transfers.copier
-    original = copier.host_to_device
-    calls: list[int] = []
-    reached, fail_now = threading.Event(), threading.Event()
-
-    def first_held_then_failing(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) > 1:
-            return original(*args, **kwargs)
-        reached.set()
-        assert fail_now.wait(10), "never told to fail"
-        raise OSError("injected copy failure")
-
-    copier.host_to_device = first_held_then_failing
+    gate = CopyGate(ctl, first_only=True)
+    gate.fail = True
     try:
-        first = Loader(ctl, "e1", m.lock_id)
-        first.start()
-        assert reached.wait(10)
+        first = gate.held_load("e1", m.lock_id)
         second = Loader(ctl, "e1", m.lock_id)
         second.start()
         got = second.result()[-1]
@@ -92,12 +76,11 @@ def test_a_load_failing_after_a_keep_lock_insert_moved_the_allocation_on_frees_w
         out = ctl.insert("e1", InsertRequest("", prompt, lock_id=m.lock_id,
                                              allocation_id=m.allocation_id, keep_lock=True))
         assert (out.inserted_tokens, out.reused_tokens) == (16, 32)
-        fail_now.set()
+        gate.open()
         with pytest.raises(OSError, match="injected copy failure"):
             first.result()
     finally:
-        fail_now.set()
-        copier.host_to_device = original
+        gate.restore()
     rec = ctl._engines.allocation("e1", m.allocation_id)
     assert rec.start_page == 12 and len(rec.pages[FULL]) == 0
     with ctl._mu:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from storage_pages import Pool, keys
+from unprivileged import as_nobody
 
 from hicache.config import FileStorageConfig
 from hicache.errors import BackendUnavailable
@@ -178,33 +179,20 @@ def test_a_root_without_write_permission_fails_writes_not_the_store(tmp_path: Pa
     # files) imports nothing lazily.
     _backend(tmp_path).put_from(keys(1), Pool(1).slots())
     _backend(tmp_path).health(deep=True)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: report through the pipe, never return into pytest
-        code = 1
+
+    def unprivileged() -> str:
+        backend = _backend(store)
         try:
-            if os.geteuid() == 0:
-                os.setgid(65534)
-                os.setuid(65534)
-            backend = _backend(store)
-            try:
-                report = ",".join(s.value for s in backend.put_from(keys(1), Pool(1).slots()))
-            except BackendUnavailable as e:
-                report = f"unavailable {e}"
-            health = backend.health(deep=True)
-            report += f"; healthy {health.healthy}; {health.detail}"
-            os.write(write_end, report.encode())
-            code = 0
-        except BaseException as e:
-            os.write(write_end, repr(e).encode())
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as f:
-        report = f.read()
-    _, status = os.waitpid(pid, 0)
-    store.rmdir()
-    assert os.waitstatus_to_exitcode(status) == 0, report
+            report = ",".join(s.value for s in backend.put_from(keys(1), Pool(1).slots()))
+        except BackendUnavailable as e:
+            report = f"unavailable {e}"
+        health = backend.health(deep=True)
+        return report + f"; healthy {health.healthy}; {health.detail}"
+
+    try:
+        report = as_nobody(unprivileged)
+    finally:
+        store.rmdir()
     assert report.startswith("failed; healthy False; file: canary write refused"), report
     assert "not writable: backups fail" in report, report
 
