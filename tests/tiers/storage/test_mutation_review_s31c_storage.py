@@ -15,7 +15,6 @@ from file_kit import OBJECT, disk_objects, sized_backend
 from storage_pages import Pool, keys, mooncake_config, storage_config
 
 from hicache.bench.services import MooncakeMaster, RedisServer
-from hicache.config import FileStorageConfig
 from hicache.dirs import GROUP_FILE_MODE
 from hicache.errors import BackendUnavailable, InvalidArgument
 from hicache.tiers.storage import GetStatus, PutStatus, StorageBackend, build_backend
@@ -24,16 +23,9 @@ from hicache.tiers.storage.integrity import key_digest
 from hicache.types import StorageBackendName
 
 
-def _file_backend(root: Path) -> FileBackend:
-    backend = build_backend(storage_config(StorageBackendName.FILE,
-                                           file=FileStorageConfig(path=str(root))))
-    assert isinstance(backend, FileBackend)
-    return backend
-
-
 @pytest.fixture
 def file_store(tmp_path: Path) -> Iterator[FileBackend]:
-    backend = _file_backend(tmp_path / "store")
+    backend = sized_backend(tmp_path / "store")
     yield backend
     backend.close()
 
@@ -100,7 +92,7 @@ def test_a_deep_health_check_leaves_no_fan_out_folders_behind(tmp_path: Path) ->
     folders in the operator's store).
     Mutant killed: `_remove_sync` not calling `_remove_empty_folders` for a canary."""
     root = tmp_path / "store"
-    backend = _file_backend(root)
+    backend = sized_backend(root)
     try:
         for _ in range(3):
             health = backend.health(deep=True)
@@ -156,7 +148,7 @@ def test_a_smaller_object_of_another_geometry_under_the_key_is_left_in_the_store
     Mutant killed: `truncated_of_ours` not comparing the header's payload length (another
     geometry's object taken for a torn one of ours, and removed)."""
     if kind == "file":
-        backend: StorageBackend = _file_backend(tmp_path / "store")
+        backend: StorageBackend = sized_backend(tmp_path / "store")
     else:
         server = request.getfixturevalue("redis_server")
         backend = build_backend(storage_config(StorageBackendName.REDIS, redis_url=server.url))
@@ -203,7 +195,7 @@ def test_a_put_finding_another_nodes_object_evicts_for_it_on_disk(tmp_path: Path
     Mutant killed: `_present_or_reserve` not unlinking the victims of a PRESENT put (the
     file stays on disk uncounted, and the key is left marked as being evicted)."""
     node = sized_backend(tmp_path, 2, indexed=True, timeout_s=1.0)
-    other = _file_backend(tmp_path)  # another node, unbounded, on the same directory
+    other = sized_backend(tmp_path)  # another node, unbounded, on the same directory
     try:
         k1, k2, k3 = keys(3)
         pool = Pool(3)
